@@ -240,7 +240,8 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
             raise bad("minibatch_tokens", f"must be positive, got {mb}")
         if mb % spec.minibatch_align:
             raise bad("minibatch_tokens", f"must be a multiple of minibatch_align={spec.minibatch_align}, got {mb}")
-        if mb < derived:
+        if mb < derived and (source, mb) not in _WARNED:
+            _WARNED.add((source, mb))
             logger.warning(
                 "%s: kernel.minibatch_tokens=%d is below the two-GEMM-waves minimum %d for %d compute SMs; "
                 "the expert FFN will under-fill the GPU",
@@ -250,6 +251,9 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
                 spec.compute_sms,
             )
     return spec
+
+
+_WARNED: set[tuple[str, int]] = set()
 
 
 def parse_config(raw: Any, source: str = "<memory>") -> MokConfig:
@@ -346,7 +350,7 @@ def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
     """The config a MoK layer built from ``tc`` uses.
 
     Order: ``tc.mok_config`` (a MokConfig or a name/path), the config set by
-    :func:`set_active_config`, ``$MOK_CONFIG``, the bundled YAML whose model section matches
+    :func:`set_active_config`, Megatron-LM's ``--mok-config``, ``$MOK_CONFIG``, the bundled YAML whose model section matches
     ``tc`` exactly, else one derived from the model sizes (logged, never silent).
     """
     import os
@@ -354,6 +358,10 @@ def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
     explicit = getattr(tc, "mok_config", None)
     if explicit is None:
         explicit = _STATE.active
+    if explicit is None:
+        from .registration import megatron_args_mok_config
+
+        explicit = megatron_args_mok_config()
     if explicit is None and os.environ.get("MOK_CONFIG"):
         explicit = os.environ["MOK_CONFIG"]
     if isinstance(explicit, (str, Path)):

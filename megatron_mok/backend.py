@@ -1,0 +1,70 @@
+"""Choosing between the CUDA megakernel and the PyTorch reference.
+
+``MOK_BACKEND`` = ``auto`` (default: the kernel where it can run, else the reference),
+``reference`` or ``kernel`` (an error if the kernel cannot run, instead of a quiet fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from .reference import ReferenceBackend
+
+logger = logging.getLogger(__name__)
+
+_CHOICES = ("auto", "reference", "kernel")
+
+
+class MokBackendError(RuntimeError):
+    pass
+
+
+def requested_backend() -> str:
+    value = os.environ.get("MOK_BACKEND", "auto").strip().lower()
+    if value not in _CHOICES:
+        raise MokBackendError(f"MOK_BACKEND={value!r} is not one of {_CHOICES}")
+    return value
+
+
+def kernel_unavailable_reason(device: torch.device | None = None, world_size: int = 1, dtype: str = "bf16") -> str | None:
+    """None when the kernel can run this call, else why not."""
+    if device is not None and device.type != "cuda":
+        return f"tensors are on {device.type}, the kernel needs CUDA"
+    try:
+        from . import kernel
+    except Exception as exc:  # noqa: BLE001 - any import failure means "no kernel"
+        return f"megatron_mok.kernel failed to import: {exc}"
+    if not kernel.is_available():
+        return kernel.unavailable_reason()
+    if dtype != "bf16":
+        return f"kernel dtype {dtype} is not built yet (bf16 only)"
+    if world_size != 1:
+        return "multi-process EP over symmetric memory is not wired to the kernel yet (emulated EP only)"
+    return None
+
+
+def select_backend(device: torch.device, world_size: int, dtype: str = "bf16"):
+    want = requested_backend()
+    if want == "reference":
+        return ReferenceBackend()
+    reason = kernel_unavailable_reason(device, world_size, dtype)
+    if reason is None:
+        from .kernel_backend import KernelBackend
+
+        return KernelBackend()
+    if want == "kernel":
+        raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
+    logger.debug("MoK: reference backend (%s)", reason)
+    return ReferenceBackend()
+
+
+def describe_backend() -> str:
+    reason = kernel_unavailable_reason(
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    )
+    if reason is None:
+        return "kernel: MoK CUDA megakernel (sm_90a)"
+    return f"reference: PyTorch MoK reference ({reason})"
