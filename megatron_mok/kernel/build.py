@@ -1,0 +1,147 @@
+"""JIT build of the MoK CUDA library (torch-independent shared object, loaded with ctypes).
+
+* Sources: ``csrc/mok/*.cu[h]`` (repo checkout) or the copy shipped inside the package
+  (``megatron_mok/kernel/csrc``), whichever exists.
+* Compiler: plain ``nvcc`` (``$MOK_NVCC``, ``$CUDA_HOME/bin/nvcc`` or ``PATH``) with
+  ``-gencode=arch=compute_90a,code=sm_90a``; CUTLASS/CuTe headers from the ``nvidia-cutlass`` wheel
+  (``cutlass_library/source/include``) or ``$MOK_CUTLASS_INCLUDE``.
+* Cache: ``$MOK_CACHE_DIR`` (default ``~/.cache/megatron_mok``), keyed by a hash of sources, flags and
+  the nvcc version; a finished build is renamed into place atomically.
+* Host compiler: if ``/opt/gcc`` exists (device image) we force ``/usr/bin/g++`` as host compiler
+  (the /opt/gcc wrapper miscompiled host code there, see notes/kernels.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+LIB_NAME = "libmok_forward"
+MAIN_SOURCE = "mok_forward.cu"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def source_dir() -> Path:
+    env = os.environ.get("MOK_CSRC_DIR")
+    candidates = [Path(env)] if env else []
+    candidates += [_HERE.parent.parent / "csrc" / "mok", _HERE / "csrc" / "mok"]
+    for c in candidates:
+        if (c / MAIN_SOURCE).is_file():
+            return c
+    raise BuildError(f"MoK CUDA sources not found (looked in {', '.join(str(c) for c in candidates)})")
+
+
+def find_nvcc() -> str | None:
+    env = os.environ.get("MOK_NVCC")
+    if env:
+        return env if Path(env).exists() else None
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cutlass_include() -> Path | None:
+    env = os.environ.get("MOK_CUTLASS_INCLUDE")
+    if env:
+        return Path(env) if (Path(env) / "cute").is_dir() else None
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    return inc if (inc / "cute" / "arch" / "mma_sm90_gmma.hpp").is_file() else None
+
+
+def nvcc_flags(include: Path, src: Path) -> list[str]:
+    flags = [
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-std=c++17",
+        "-O3",
+        "--expt-relaxed-constexpr",
+        "-Xcompiler",
+        "-fPIC",
+        f"-I{include}",
+        f"-I{src}",
+    ]
+    if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
+        flags += ["-ccbin", "/usr/bin/g++"]
+    return flags
+
+
+def _nvcc_version(nvcc: str) -> str:
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except Exception as exc:  # pragma: no cover - reported by callers
+        raise BuildError(f"cannot run {nvcc}: {exc}") from exc
+
+
+def _cache_key(src: Path, flags: list[str], nvcc_ver: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(src.glob("*.cu*")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(nvcc_ver.encode())
+    return h.hexdigest()[:20]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOK_CACHE_DIR", Path.home() / ".cache" / "megatron_mok"))
+
+
+def _check_tools() -> tuple[str, Path, Path]:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (set MOK_NVCC or CUDA_HOME)")
+    inc = cutlass_include()
+    if inc is None:
+        raise BuildError("CUTLASS/CuTe headers not found: pip install --no-deps nvidia-cutlass==4.2.0.0")
+    return nvcc, inc, source_dir()
+
+
+def compile_only(output: Path | None = None, verbose: bool = False, extra_flags: list[str] | None = None) -> Path:
+    """Compile the kernel for sm_90a into a cubin (no GPU, no load). Returns the output path."""
+    nvcc, inc, src = _check_tools()
+    out = Path(output) if output else Path(tempfile.mkdtemp(prefix="mok_cc_")) / f"{LIB_NAME}.cubin"
+    cmd = [nvcc, *nvcc_flags(inc, src), "-cubin", *(extra_flags or []), "-o", str(out), str(src / MAIN_SOURCE)]
+    _run(cmd, verbose)
+    return out
+
+
+def build_library(verbose: bool = False, force: bool = False) -> Path:
+    """Build (or reuse from cache) the shared library; returns its path."""
+    nvcc, inc, src = _check_tools()
+    flags = nvcc_flags(inc, src) + ["-shared", "-Xptxas", "-v"]
+    key = _cache_key(src, flags, _nvcc_version(nvcc))
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"{LIB_NAME}-{key}.so"
+    if lib.exists() and not force:
+        return lib
+    tmp = out_dir / f".{LIB_NAME}-{key}-{os.getpid()}.so"
+    cmd = [nvcc, *flags, "-o", str(tmp), str(src / MAIN_SOURCE)]
+    log = _run(cmd, verbose)
+    (out_dir / f"{LIB_NAME}-{key}.log").write_text(" ".join(cmd) + "\n" + log)
+    os.replace(tmp, lib)
+    return lib
+
+
+def _run(cmd: list[str], verbose: bool) -> str:
+    if verbose:
+        print("[mok build]", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise BuildError(f"nvcc failed ({proc.returncode}):\n{' '.join(cmd)}\n{text[-8000:]}")
+    if verbose and text.strip():
+        print(text, flush=True)
+    return text

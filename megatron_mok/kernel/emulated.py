@@ -1,0 +1,267 @@
+"""ctypes binding of the MoK forward megakernel and the emulated-EP entry point.
+
+Emulated EP: R virtual ranks share ONE GPU and ONE kernel launch; the grid is split into R
+partitions, each with its own comm/compute SMs, and each rank reaches the others' buffers only
+through a per-rank pointer table (what peer pointers of torch symmetric memory would be with real EP).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+MOK_MAX_RANKS = 72
+MOK_MAX_LOCAL_EXPERTS = 512
+MOK_MAX_SLOTS = 64
+
+_PHASES = {
+    1: "grid barrier (schedule)",
+    2: "dispatch-ready (compute waits for the pull dispatch of the slot)",
+    3: "slot-free (dispatch waits for combine to release the slot)",
+    4: "fc1-done (fc2 waits for fc1 of its row block)",
+    5: "compute-done (final combine waits for all ranks' expert pushes)",
+    6: "internal smem pipeline",
+    7: "schedule",
+}
+
+
+class MokKernelError(RuntimeError):
+    """Raised when the kernel reports an error (timeout, invalid input) or cannot be launched."""
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("R", ctypes.c_int), ("L", ctypes.c_int), ("H", ctypes.c_int), ("F", ctypes.c_int), ("K", ctypes.c_int),
+        ("comm_sms", ctypes.c_int), ("ring_slots", ctypes.c_int), ("minibatch", ctypes.c_int),
+        ("ctas_per_rank", ctypes.c_int), ("stall_rank", ctypes.c_int), ("stall_slot", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("timeout_ms", ctypes.c_double),
+        ("T", ctypes.c_void_p), ("x", ctypes.c_void_p), ("idx", ctypes.c_void_p), ("w", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("combine", ctypes.c_void_p), ("tpe", ctypes.c_void_p),
+        ("w1", ctypes.c_void_p), ("w1_ld", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("w2_ld", ctypes.c_void_p),
+        ("workspace", ctypes.c_ulonglong), ("workspace_bytes", ctypes.c_ulonglong), ("err", ctypes.c_ulonglong),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_error: str | None = None
+_ws_cache: dict[int, torch.Tensor] = {}
+_err_cache: dict[int, torch.Tensor] = {}
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL:
+    global _lib, _lib_error
+    with _lock:
+        if _lib is not None:
+            return _lib
+        if path is None:
+            from .build import build_library
+
+            path = build_library()
+        lib = ctypes.CDLL(str(path))
+        lib.mok_workspace_bytes.restype = ctypes.c_longlong
+        lib.mok_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
+        lib.mok_forward_emulated_launch.restype = ctypes.c_int
+        lib.mok_forward_emulated_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p,
+                                                    ctypes.c_int]
+        lib.mok_device_info.restype = ctypes.c_int
+        lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
+        lib.mok_version.restype = ctypes.c_char_p
+        _lib = lib
+        return lib
+
+
+def _u64_array(vals):
+    return (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
+
+
+def _i64_array(vals):
+    return (ctypes.c_longlong * max(1, len(vals)))(*vals)
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"mok_forward_emulated: {msg}")
+
+
+def _check_tensor(t, name, dtype, ndim, device):
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != ndim:
+        _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device}")
+
+
+def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall):
+    if not isinstance(x, (list, tuple)) or len(x) == 0:
+        _fail("x must be a non-empty list of per-rank tensors")
+    R = len(x)
+    if R > MOK_MAX_RANKS:
+        _fail(f"at most {MOK_MAX_RANKS} ranks, got {R}")
+    for name, lst in (("topk_idx", topk_idx), ("topk_weight", topk_weight), ("w1", w1), ("w2", w2)):
+        if not isinstance(lst, (list, tuple)) or len(lst) != R:
+            _fail(f"{name} must be a list of {R} entries (one per rank)")
+    device = x[0].device if isinstance(x[0], torch.Tensor) else None
+    if device is None or device.type != "cuda":
+        _fail("x[0] must be a CUDA tensor")
+    if not isinstance(w1[0], (list, tuple)) or len(w1[0]) == 0:
+        _fail("w1[q] must be a non-empty list of per-expert weights")
+    L = len(w1[0])
+    if L > MOK_MAX_LOCAL_EXPERTS:
+        _fail(f"at most {MOK_MAX_LOCAL_EXPERTS} local experts, got {L}")
+    _check_tensor(w2[0][0] if isinstance(w2[0], (list, tuple)) and w2[0] else None, "w2[0][0]", torch.bfloat16, 2,
+                  device)
+    H, F = w2[0][0].shape
+    if H % 64 or F % 64 or H == 0 or F == 0:
+        _fail(f"hidden ({H}) and ffn ({F}) sizes must be positive multiples of 64")
+    K = None
+    for r in range(R):
+        _check_tensor(x[r], f"x[{r}]", torch.bfloat16, 2, device)
+        T = x[r].shape[0]
+        if x[r].shape[1] != H:
+            _fail(f"x[{r}] has hidden size {x[r].shape[1]}, experts have {H}")
+        if not x[r].is_contiguous():
+            _fail(f"x[{r}] must be contiguous")
+        _check_tensor(topk_idx[r], f"topk_idx[{r}]", torch.int32, 2, device)
+        _check_tensor(topk_weight[r], f"topk_weight[{r}]", torch.float32, 2, device)
+        if K is None:
+            K = topk_idx[r].shape[1]
+        if tuple(topk_idx[r].shape) != (T, K) or tuple(topk_weight[r].shape) != (T, K):
+            _fail(f"rank {r}: topk_idx {tuple(topk_idx[r].shape)} / topk_weight {tuple(topk_weight[r].shape)} "
+                  f"must both be ({T}, {K}) (K must be the same on every rank)")
+        if not topk_idx[r].is_contiguous() or not topk_weight[r].is_contiguous():
+            _fail(f"topk_idx[{r}] and topk_weight[{r}] must be contiguous")
+    if K < 1 or K > 64:
+        _fail(f"top-k must be in [1, 64], got {K}")
+    for q in range(R):
+        if not isinstance(w1[q], (list, tuple)) or len(w1[q]) != L or not isinstance(w2[q], (list, tuple)) \
+                or len(w2[q]) != L:
+            _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
+        for e in range(L):
+            a, b = w1[q][e], w2[q][e]
+            _check_tensor(a, f"w1[{q}][{e}]", torch.bfloat16, 2, device)
+            _check_tensor(b, f"w2[{q}][{e}]", torch.bfloat16, 2, device)
+            if tuple(a.shape) != (2 * F, H):
+                _fail(f"w1[{q}][{e}] must be [2F, H] = [{2 * F}, {H}], got {tuple(a.shape)}")
+            if tuple(b.shape) != (H, F):
+                _fail(f"w2[{q}][{e}] must be [H, F] = [{H}, {F}], got {tuple(b.shape)}")
+            for n, t in ((f"w1[{q}][{e}]", a), (f"w2[{q}][{e}]", b)):
+                if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+                    _fail(f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
+                          f"16-byte aligned start (got strides {t.stride()})")
+    if not isinstance(comm_sms, int) or comm_sms < 1:
+        _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
+        _fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
+    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
+        _fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}")
+    if not timeout_ms > 0:
+        _fail(f"timeout_ms must be > 0, got {timeout_ms!r}")
+    if debug_stall is not None:
+        sr, ss = debug_stall
+        if not (0 <= sr < R and 0 <= ss < ring_slots):
+            _fail(f"debug_stall {debug_stall} out of range (R={R}, ring_slots={ring_slots})")
+    return R, L, H, F, K, device
+
+
+def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
+    code, rank, slot, phase, expected, seen, extra, block = err[:8]
+    pname = _PHASES.get(phase, f"phase {phase}")
+    if code == 1:
+        return (f"MoK kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
+                f"saw {seen} after {timeout_ms:g} ms (CTA {block})")
+    if code == 2:
+        return (f"MoK kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
+                f"[0, {R * L})")
+    return f"MoK kernel internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
+
+
+def mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms: int, ring_slots: int, minibatch_tokens: int,
+                         timeout_ms: float = 10000.0, debug_stall: tuple[int, int] | None = None,
+                         ctas_per_rank: int = 0, check: bool = True):
+    """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring."""
+    R, L, H, F, K, device = _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens,
+                                      timeout_ms, debug_stall)
+    lib = load_library()
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    num_sms, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if lib.mok_device_info(dev, ctypes.byref(num_sms), ctypes.byref(major), ctypes.byref(minor)) != 0:
+        raise MokKernelError("cannot query the CUDA device")
+    cpr = ctas_per_rank or num_sms.value // R
+    if comm_sms >= cpr:
+        _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {num_sms.value} SMs give {cpr} SMs per rank")
+
+    Ts = [int(t.shape[0]) for t in x]
+    out = [torch.empty((T, H), dtype=torch.bfloat16, device=device) for T in Ts]
+    comb = [torch.empty((T, K, H), dtype=torch.bfloat16, device=device) for T in Ts]
+    tpe = [torch.empty((L,), dtype=torch.int32, device=device) for _ in range(R)]
+
+    keep = []  # ctypes arrays must outlive the call
+
+    def arr(vals, kind=_u64_array):
+        a = kind(vals)
+        keep.append(a)
+        return ctypes.cast(a, ctypes.c_void_p)
+
+    args = _Args()
+    args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
+    args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
+    args.ctas_per_rank = cpr
+    args.stall_rank, args.stall_slot = (debug_stall if debug_stall is not None else (-1, -1))
+    args.device = dev
+    args.timeout_ms = float(timeout_ms)
+    args.T = arr(Ts, _i64_array)
+    args.x = arr([t.data_ptr() for t in x])
+    args.idx = arr([t.data_ptr() for t in topk_idx])
+    args.w = arr([t.data_ptr() for t in topk_weight])
+    args.out = arr([t.data_ptr() for t in out])
+    args.combine = arr([t.data_ptr() for t in comb])
+    args.tpe = arr([t.data_ptr() for t in tpe])
+    args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64_array)
+    args.w2 = arr([w2[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w2_ld = arr([w2[q][e].stride(0) for q in range(R) for e in range(L)], _i64_array)
+
+    nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
+    if nbytes < 0:
+        _fail("invalid sizes (rejected by the library)")
+    ws = _ws_cache.get(dev)
+    if ws is None or ws.numel() < nbytes:
+        _ws_cache.pop(dev, None)
+        ws = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
+        _ws_cache[dev] = ws
+    err = _err_cache.get(dev)
+    if err is None:
+        err = torch.zeros((16,), dtype=torch.int32, device=device)
+        _err_cache[dev] = err
+    args.workspace = ws.data_ptr()
+    args.workspace_bytes = ws.numel()
+    args.err = err.data_ptr()
+
+    stream = torch.cuda.current_stream(device)
+    ebuf = ctypes.create_string_buffer(1024)
+    rc = lib.mok_forward_emulated_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
+    if rc != 0:
+        raise MokKernelError(f"MoK launch failed: {ebuf.value.decode(errors='replace')}")
+    if check:
+        check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
+    return out, comb, tpe
+
+
+def check_last_error(device=None, *, R: int = 0, L: int = 0, timeout_ms: float = 0.0) -> None:
+    """Synchronize the current stream and raise MokKernelError if the last launch recorded an error."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    err = _err_cache.get(dev)
+    if err is None:
+        return
+    torch.cuda.current_stream(device).synchronize()
+    vals = err.cpu().tolist()
+    if vals[0] != 0:
+        raise MokKernelError(_error_message(vals, R, L, timeout_ms))

@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from megatron_mok.config import (
+    MokConfigError,
+    bundled_configs,
+    load_config,
+    min_minibatch_tokens,
+    parse_config,
+    resolve_config,
+    set_active_config,
+)
+from megatron_mok.testing import moe_transformer_config
+
+GOOD = {
+    "model": {"name": "m", "hidden_size": 256, "moe_ffn_hidden_size": 128, "num_moe_experts": 8, "moe_router_topk": 2},
+    "kernel": {"dtype": "bf16", "comm_sms": 16, "ring_slots": 3, "minibatch_tokens": 128},
+}
+
+
+def _with(section: str, **changes):
+    raw = {k: dict(v) for k, v in GOOD.items()}
+    raw[section].update(changes)
+    return raw
+
+
+def test_bundled_configs_cover_the_required_architectures():
+    names = set(bundled_configs())
+    assert {"kimi-k2", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "tiny-test"} <= names
+    k2 = load_config("kimi-k2")
+    assert (k2.model.hidden_size, k2.model.moe_ffn_hidden_size, k2.model.num_moe_experts, k2.model.moe_router_topk) == (
+        7168, 2048, 384, 8)
+    assert k2.model.moe_shared_expert_intermediate_size == 2048
+    dsv3 = load_config("deepseek-v3")
+    assert (dsv3.model.num_moe_experts, dsv3.model.moe_router_topk) == (256, 8)
+    for name in names:
+        cfg = load_config(name)
+        assert cfg.kernel.comm_sms + cfg.kernel.compute_sms == cfg.kernel.num_sms
+        assert cfg.kernel.minibatch_tokens % cfg.kernel.minibatch_align == 0
+
+
+def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
+    # MoK: hidden 7168 / ffn 2048 needs ~2368 tokens (148 compute SMs, 128x256 tiles)
+    assert min_minibatch_tokens(2048, 148, 128, 256) == 2368
+    # and the derived value is used when the YAML leaves minibatch_tokens out or 'auto'
+    q = load_config("qwen3-235b-a22b")
+    assert q.kernel.minibatch_tokens == min_minibatch_tokens(1536, q.kernel.compute_sms)
+    raw = _with("kernel")
+    del raw["kernel"]["minibatch_tokens"]
+    assert parse_config(raw).kernel.minibatch_tokens == min_minibatch_tokens(128, 132 - 16)
+
+
+@pytest.mark.parametrize(
+    "section,key,value,needle",
+    [
+        ("kernel", "ring_slotz", 4, "unknown key"),
+        ("model", "hiden_size", 4, "unknown key"),
+        ("kernel", "comm_sms", 132, "so some SMs compute"),
+        ("kernel", "comm_sms", 0, "comm_sms"),
+        ("kernel", "ring_slots", 1, ">= 2 slots"),
+        ("kernel", "dtype", "fp16", "not one of"),
+        ("kernel", "dtype", "mxfp8", "sm_100a"),
+        ("kernel", "minibatch_tokens", 100, "multiple of minibatch_align"),
+        ("kernel", "minibatch_tokens", -64, "positive"),
+        ("kernel", "ring_slots", "4", "expected int"),
+        ("kernel", "save_fc1_output", 1, "expected bool"),
+        ("kernel", "comm_sms", True, "got bool"),
+        ("kernel", "gemm_tile_n", 100, "power of two"),
+        ("model", "moe_router_topk", 9, "exceeds num_moe_experts"),
+        ("model", "hidden_size", 0, "positive"),
+    ],
+)
+def test_bad_settings_name_file_key_and_reason(section, key, value, needle):
+    with pytest.raises(MokConfigError) as err:
+        parse_config(_with(section, **{key: value}), "cfg.yaml")
+    msg = str(err.value)
+    assert msg.startswith("cfg.yaml: key '") and f"{section}.{key}" in msg and needle in msg
+
+
+def test_missing_sections_and_files(tmp_path):
+    with pytest.raises(MokConfigError, match="missing required section"):
+        parse_config({"kernel": {}})
+    with pytest.raises(MokConfigError, match="unknown top-level key"):
+        parse_config({**GOOD, "extra": 1})
+    raw = _with("model")
+    del raw["model"]["num_moe_experts"]
+    with pytest.raises(MokConfigError, match="model.num_moe_experts.*missing"):
+        parse_config(raw)
+    with pytest.raises(MokConfigError, match="no such config file"):
+        load_config("no-such-model")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(MokConfigError, match="invalid YAML"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(GOOD))
+    assert load_config(good).kernel.ring_slots == 3
+
+
+def test_cross_check_against_megatron_config():
+    cfg = parse_config(GOOD, "m.yaml")
+    tc = moe_transformer_config(hidden_size=256, ffn_hidden_size=128, num_experts=8, topk=2)
+    cfg.check_against(tc, ep_size=4)
+    with pytest.raises(MokConfigError, match="model.hidden_size.*config says 256.*has 64"):
+        cfg.check_against(moe_transformer_config(hidden_size=64, ffn_hidden_size=128, num_experts=8, topk=2))
+    with pytest.raises(MokConfigError, match="moe_router_topk"):
+        cfg.check_against(moe_transformer_config(hidden_size=256, ffn_hidden_size=128, num_experts=8, topk=4))
+    with pytest.raises(MokConfigError, match="not divisible by EP size 3"):
+        cfg.check_against(tc, ep_size=3)
+    with pytest.raises(MokConfigError, match="flex"):
+        big = parse_config(_with("model", num_moe_experts=256), "big.yaml")
+        big.check_against(moe_transformer_config(hidden_size=256, ffn_hidden_size=128, num_experts=256, topk=2), ep_size=128)
+
+
+def test_resolve_order(monkeypatch, tmp_path):
+    tc = moe_transformer_config()  # tiny: matches bundled tiny-test
+    assert resolve_config(tc).model.name == "tiny-test"
+    path = tmp_path / "mine.yaml"
+    raw = _with("model", hidden_size=64, moe_ffn_hidden_size=32, name="mine")
+    path.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("MOK_CONFIG", str(path))
+    assert resolve_config(tc).model.name == "mine"
+    set_active_config("tiny-test")
+    try:
+        assert resolve_config(tc).model.name == "tiny-test"
+    finally:
+        set_active_config(None)
+    tc.mok_config = "kimi-k2"  # explicit but for another model: a clear error, not a silent run
+    with pytest.raises(MokConfigError, match="kimi-k2.yaml: key 'model.hidden_size'"):
+        resolve_config(tc)
+    monkeypatch.delenv("MOK_CONFIG")
+    other = moe_transformer_config(hidden_size=96, ffn_hidden_size=48)
+    derived = resolve_config(other)
+    assert derived.source.startswith("<derived") and derived.model.hidden_size == 96

@@ -1,0 +1,160 @@
+"""The PyTorch reference of MoK against the plain per-token math, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok.reference import (
+    MokPlan,
+    RingBuffer,
+    RingSpec,
+    dense_moe_reference,
+    mok_moe,
+    swiglu,
+)
+from megatron_mok.testing import spawn
+from megatron_mok.transport import ProcessGroupTransport, run_emulated
+from routings import ROUTINGS, make_topk
+
+
+def _problem(R, L, H, F, K, tokens, kind, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    E = R * L
+    xs = [torch.randn(t, H, generator=g, dtype=torch.float64).to(dtype) for t in tokens]
+    idx = [make_topk(kind, t, E, K, g) for t in tokens]
+    ws = [torch.rand(t, K, generator=g, dtype=torch.float64).to(dtype) for t in tokens]
+    w1 = [(torch.randn(2 * F, H, generator=g, dtype=torch.float64) / H**0.5).to(dtype) for _ in range(E)]
+    w2 = [(torch.randn(H, F, generator=g, dtype=torch.float64) / F**0.5).to(dtype) for _ in range(E)]
+    return xs, idx, ws, w1, w2
+
+
+def _dense_grads(xs, idx, ws, w1, w2, R):
+    """Per-token definition with autograd: out[t] = sum_k w[t,k] * fc2(swiglu(fc1(x[t])))."""
+    xx = [x.clone().requires_grad_() for x in xs]
+    ww = [w.clone().requires_grad_() for w in ws]
+    a = [w.clone().requires_grad_() for w in w1]
+    b = [w.clone().requires_grad_() for w in w2]
+    outs, loss = [], 0
+    for r in range(R):
+        o = torch.zeros_like(xx[r])
+        for k in range(idx[r].shape[1]):
+            for e in idx[r][:, k].unique().tolist():
+                sel = idx[r][:, k] == e
+                if e >= 0:
+                    o = o.index_add(0, sel.nonzero().flatten(), ww[r][sel, k, None] * (swiglu(xx[r][sel] @ a[e].t()) @ b[e].t()))
+        outs.append(o)
+        loss = loss + (o * (r + 1)).sum() + (o**2).sum()
+    loss.backward()
+    z = lambda t, like: t if t is not None else torch.zeros_like(like)  # noqa: E731
+    return outs, [z(x.grad, x) for x in xx], [z(w.grad, w) for w in ww], [z(t.grad, t) for t in a], [z(t.grad, t) for t in b]
+
+
+def _mok_rank(tp, xs, idx, ws, w1, w2, ring, L):
+    r = tp.rank
+    x = xs[r].clone().requires_grad_()
+    w = ws[r].clone().requires_grad_()
+    a = [w1[r * L + e].clone().requires_grad_() for e in range(L)]
+    b = [w2[r * L + e].clone().requires_grad_() for e in range(L)]
+    plan = MokPlan(tp, len(w1), ring)
+    o = mok_moe(x, idx[r], w, a, b, plan)
+    ((o * (r + 1)).sum() + (o**2).sum()).backward()
+    return o.detach(), x.grad, w.grad, [t.grad for t in a], [t.grad for t in b], plan.stats
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("kind", ROUTINGS)
+def test_reference_equals_per_token_math(R, kind):
+    L, H, F, K = (4 if R == 1 else 2), 16, 8, 3
+    tokens = [9, 0, 13, 6][:R] if R > 1 else [11]
+    xs, idx, ws, w1, w2 = _problem(R, L, H, F, K, tokens, kind, seed=R)
+    if R > 2:
+        idx[3][1, 2] = -1  # an unused top-k slot contributes nothing
+    ring = RingSpec(minibatch_tokens=4, ring_slots=2)  # far smaller than the batch: many cycles
+    got = run_emulated(R, lambda tp: _mok_rank(tp, xs, idx, ws, w1, w2, ring, L))
+    want = _dense_grads(xs, idx, ws, w1, w2, R)
+    for r in range(R):
+        o, gx, gw, ga, gb, stats = got[r]
+        torch.testing.assert_close(o, want[0][r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gx, want[1][r], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, want[2][r], rtol=1e-12, atol=1e-12)
+        for e in range(L):
+            torch.testing.assert_close(ga[e], want[3][r * L + e], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(gb[e], want[4][r * L + e], rtol=1e-12, atol=1e-12)
+        assert stats["ring_fills"] == stats["minibatches"] == -(-stats["rows"] // 4)
+    assert max(s[-1]["minibatches"] for s in got) > ring.ring_slots  # the ring really wrapped
+
+
+def test_bf16_numerics_match_the_kernel_definition():
+    R, L, H, F, K = 2, 2, 32, 16, 2
+    xs, idx, ws, w1, w2 = _problem(R, L, H, F, K, [20, 17], "random", dtype=torch.bfloat16)
+    ws = [w.float() for w in ws]
+    ring = RingSpec(8, 2)
+
+    def fwd(tp):
+        r = tp.rank
+        return mok_moe(xs[r], idx[r], ws[r], w1[r * L : (r + 1) * L], w2[r * L : (r + 1) * L], MokPlan(tp, R * L, ring))
+
+    got = run_emulated(R, fwd)
+    for r in range(R):
+        want = dense_moe_reference(xs[r], idx[r], ws[r], w1, w2)
+        assert got[r].dtype == torch.bfloat16
+        torch.testing.assert_close(got[r], want, rtol=1e-2, atol=1e-2)
+        assert (got[r].float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+
+
+def _gloo_rank(rank, world_size, problem, out_path):
+    xs, idx, ws, w1, w2 = problem
+    L = len(w1) // world_size
+    res = _mok_rank(ProcessGroupTransport(), xs, idx, ws, w1, w2, RingSpec(3, 2), L)
+    torch.save(res[:5], f"{out_path}.{rank}")
+
+
+@pytest.mark.slow
+def test_process_group_transport_equals_emulated(tmp_path):
+    R, L = 4, 2
+    problem = _problem(R, L, 16, 8, 2, [5, 9, 0, 7], "skewed", seed=7)
+    spawn(_gloo_rank, R, problem, str(tmp_path / "res"))
+    emu = run_emulated(R, lambda tp: _mok_rank(tp, *problem, RingSpec(3, 2), L))
+    for r in range(R):
+        got = torch.load(f"{tmp_path / 'res'}.{r}")
+        for a, b in zip(got[:3], emu[r][:3]):
+            assert torch.equal(a, b)
+        for la, lb in zip(got[3:], emu[r][3:5]):
+            assert all(torch.equal(a, b) for a, b in zip(la, lb))
+
+
+def test_ring_buffer_refuses_to_overwrite_a_busy_slot():
+    ring = RingBuffer(RingSpec(4, 2), 8, torch.float32, torch.device("cpu"))
+    ring.fill(0, 4)
+    with pytest.raises(RuntimeError, match="ring slot 0 is FILLED, expected FREE"):
+        ring.fill(0, 4)
+    ring.computed(0)
+    with pytest.raises(RuntimeError, match="COMPUTED"):
+        ring.fill(0, 2)
+    ring.release(0)
+    ring.fill(0, 2)
+
+
+def test_bad_input_is_a_clear_error():
+    xs, idx, ws, w1, w2 = _problem(1, 4, 16, 8, 2, [5], "random")
+
+    def call(**kw):
+        args = dict(x=xs[0], topk_idx=idx[0], topk_w=ws[0], w1=w1, w2=w2)
+        args.update(kw)
+        return run_emulated(1, lambda tp: mok_moe(**args, plan=MokPlan(tp, 4, RingSpec(4, 2))))
+
+    with pytest.raises(RuntimeError, match="expert index 4 out of range"):
+        call(topk_idx=idx[0].clamp(max=3) + 1)
+    with pytest.raises(RuntimeError, match=r"must be \[tokens, hidden\]"):
+        call(x=xs[0][None])
+    with pytest.raises(RuntimeError, match="topk_idx has 5 tokens but the input has 4"):
+        call(x=xs[0][:4])
+    with pytest.raises(RuntimeError, match=r"fc1 weight of local expert 1 must be \[2\*ffn, hidden=16\]"):
+        call(w1=[w1[0], w1[1][:, :8], w1[2], w1[3]])
+    with pytest.raises(RuntimeError, match="expected 4 local experts"):
+        call(w1=w1[:3])
+    with pytest.raises(RuntimeError, match="dtype"):
+        call(x=xs[0].to(torch.int32))
+    with pytest.raises(RuntimeError, match="not divisible by EP size 3"):
+        run_emulated(3, lambda tp: mok_moe(xs[0], idx[0], ws[0], w1[:1], w2[:1], MokPlan(tp, 4, RingSpec(4, 2))))
