@@ -1,0 +1,107 @@
+"""Dense torch fp32 ground truth for the MoK forward kernel and input generators (GPU tests, bench)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_experts(R, L, H, F, device, gen, strided=False):
+    """w1[q][e] [2F, H] (rows 0..F-1 gate, F..2F-1 up), w2[q][e] [H, F]; bf16, scaled for unit-ish outputs."""
+    w1, w2 = [], []
+    for _q in range(R):
+        if strided:  # views into one stacked tensor with padding between rows (unit inner stride)
+            big1 = torch.randn((L, 2 * F, H + 64), generator=gen, device=device) / math.sqrt(H)
+            big2 = torch.randn((L, H, F + 64), generator=gen, device=device) / math.sqrt(F)
+            b1, b2 = big1.bfloat16(), big2.bfloat16()
+            w1.append([b1[e, :, :H] for e in range(L)])
+            w2.append([b2[e, :, :F] for e in range(L)])
+        else:
+            w1.append([(torch.randn((2 * F, H), generator=gen, device=device) / math.sqrt(H)).bfloat16()
+                       for _ in range(L)])
+            w2.append([(torch.randn((H, F), generator=gen, device=device) / math.sqrt(F)).bfloat16()
+                       for _ in range(L)])
+    return w1, w2
+
+
+def make_routing(T, K, E, mode, device, gen):
+    """topk_idx [T, K] int32 and weights [T, K] float32 for a routing mode."""
+    if T == 0:
+        return (torch.empty((0, K), dtype=torch.int32, device=device),
+                torch.empty((0, K), dtype=torch.float32, device=device))
+    if mode in ("uniform", "minus1"):
+        p = torch.ones((T, E), device=device)
+    elif mode == "skewed":
+        p = (1.0 / torch.arange(1, E + 1, device=device, dtype=torch.float32) ** 1.3).expand(T, E).contiguous()
+    elif mode == "empty":  # only every third expert is ever chosen
+        p = torch.zeros((T, E), device=device)
+        p[:, ::3] = 1.0
+    elif mode == "one":
+        p = None
+    else:
+        raise ValueError(mode)
+    if p is None:
+        idx = torch.full((T, K), E // 2, dtype=torch.int64, device=device)  # every slot -> one expert
+    else:
+        kk = min(K, int((p[0] > 0).sum()))
+        idx = torch.multinomial(p, kk, replacement=False, generator=gen)
+        if kk < K:
+            idx = torch.cat([idx, torch.full((T, K - kk), -1, dtype=torch.int64, device=device)], 1)
+    if mode == "minus1":
+        drop = torch.rand((T, K), generator=gen, device=device) < 0.25
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
+        idx[: max(1, T // 10)] = -1  # some tokens with no valid slot at all
+    w = torch.rand((T, K), generator=gen, device=device) + 0.1
+    w = w / w.sum(1, keepdim=True)
+    return idx.to(torch.int32).contiguous(), w.float().contiguous()
+
+
+@torch.no_grad()
+def ground_truth(x, topk_idx, topk_weight, w1, w2):
+    """Returns (out[r], combine[r], tokens_per_expert[q]) with the kernel's numerics (fp32 math, bf16 roundings)."""
+    R, L = len(x), len(w1[0])
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        combs = [torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
+                 for t, i in zip(x, topk_idx)]
+        tpe = [torch.zeros((L,), dtype=torch.int32, device=x[0].device) for _ in range(R)]
+        for q in range(R):
+            for e in range(L):
+                g = q * L + e
+                W1 = w1[q][e].float()
+                W2 = w2[q][e].float()
+                F = W2.shape[1]
+                cnt = 0
+                for r in range(R):
+                    tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
+                    if tt.numel() == 0:
+                        continue
+                    cnt += tt.numel()
+                    h = x[r][tt].float() @ W1.t()
+                    gg, uu = h[:, :F], h[:, F:]
+                    a = (gg * torch.sigmoid(gg) * uu).bfloat16().float()
+                    combs[r][tt, kk] = (a @ W2.t()).bfloat16()
+                tpe[q][e] = cnt
+        outs = []
+        for r in range(R):
+            valid = (topk_idx[r] >= 0).float() * topk_weight[r]
+            acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
+            for k in range(topk_idx[r].shape[1]):  # k order, fp32
+                acc += valid[:, k: k + 1] * combs[r][:, k].float()
+            outs.append(acc.bfloat16())
+        return outs, combs, tpe
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    if b.numel() == 0:
+        return 0.0
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    if den == 0.0:
+        return num
+    return num / den
