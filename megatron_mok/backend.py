@@ -29,7 +29,9 @@ def requested_backend() -> str:
     return value
 
 
-def kernel_unavailable_reason(device: torch.device | None = None, world_size: int = 1, dtype: str = "bf16") -> str | None:
+def kernel_unavailable_reason(
+    device: torch.device | None = None, world_size: int = 1, dtype: str = "bf16"
+) -> str | None:
     """None when the kernel can run this call, else why not."""
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernel needs CUDA"
@@ -62,9 +64,7 @@ def select_backend(device: torch.device, world_size: int, dtype: str = "bf16"):
 
 
 def describe_backend() -> str:
-    reason = kernel_unavailable_reason(
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    )
+    reason = kernel_unavailable_reason(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     if reason is None:
         return "kernel: MoK CUDA megakernel (sm_90a)"
     return f"reference: PyTorch MoK reference ({reason})"

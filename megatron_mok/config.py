@@ -146,9 +146,7 @@ _MODEL_KEYS: dict[str, type | tuple[type, ...]] = {
 _MODEL_REQUIRED = ("name", "hidden_size", "moe_ffn_hidden_size", "num_moe_experts", "moe_router_topk")
 _KERNEL_KEYS: dict[str, type | tuple[type, ...]] = {
     f.name: (
-        (int, float)
-        if f.type in ("float",)
-        else {"int": int, "str": str, "bool": bool}.get(str(f.type), object)  # type: ignore[dict-item]
+        (int, float) if f.type in ("float",) else {"int": int, "str": str, "bool": bool}.get(str(f.type), object)  # type: ignore[dict-item]
     )
     for f in dataclasses.fields(KernelSpec)
 }
@@ -215,9 +213,14 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
     if not 1 <= spec.num_sms <= MAX_SMS:
         raise bad("num_sms", f"must be in [1, {MAX_SMS}], got {spec.num_sms}")
     if not 1 <= spec.comm_sms < spec.num_sms:
-        raise bad("comm_sms", f"must be in [1, num_sms - 1 = {spec.num_sms - 1}] so some SMs compute, got {spec.comm_sms}")
+        raise bad(
+            "comm_sms", f"must be in [1, num_sms - 1 = {spec.num_sms - 1}] so some SMs compute, got {spec.comm_sms}"
+        )
     if spec.ring_slots < 2:
-        raise bad("ring_slots", f"needs >= 2 slots so dispatch of one minibatch overlaps compute of another, got {spec.ring_slots}")
+        raise bad(
+            "ring_slots",
+            f"needs >= 2 slots so dispatch of one minibatch overlaps compute of another, got {spec.ring_slots}",
+        )
     for key in ("gemm_tile_m", "gemm_tile_n", "minibatch_align"):
         v = getattr(spec, key)
         if v <= 0 or v & (v - 1):
@@ -276,7 +279,9 @@ def load_config(name_or_path: str | Path) -> MokConfig:
     if not path.suffix and not path.exists():
         path = CONFIG_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
-        raise MokConfigError(str(name_or_path), "<file>", f"no such config file; bundled: {', '.join(bundled_configs())}")
+        raise MokConfigError(
+            str(name_or_path), "<file>", f"no such config file; bundled: {', '.join(bundled_configs())}"
+        )
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -91,7 +91,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         """[S, B, H] tokens + dense routing -> [T, H] tokens and top-k weights [T, K] (local only)."""
         self.hidden_shape = tokens.shape
         if tokens.shape[-1] != self.config.hidden_size:
-            raise ValueError(f"MoK input hidden size {tokens.shape[-1]} != config hidden_size {self.config.hidden_size}")
+            raise ValueError(
+                f"MoK input hidden size {tokens.shape[-1]} != config hidden_size {self.config.hidden_size}"
+            )
         hidden = tokens.reshape(-1, tokens.shape[-1])
         if routing_map.shape != (hidden.shape[0], self.num_experts):
             raise ValueError(

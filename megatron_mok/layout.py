@@ -62,12 +62,12 @@ def validate_routing(topk_idx: torch.Tensor, num_experts: int, what: str = "topk
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
-            raise RoutingError(f"{what} has expert index {bad} out of range [0, {num_experts}) (-1 marks an unused slot)")
+            raise RoutingError(
+                f"{what} has expert index {bad} out of range [0, {num_experts}) (-1 marks an unused slot)"
+            )
 
 
-def compute_layout(
-    all_topk_idx: Sequence[torch.Tensor], rank: int, num_local_experts: int
-) -> ExpertLayout:
+def compute_layout(all_topk_idx: Sequence[torch.Tensor], rank: int, num_local_experts: int) -> ExpertLayout:
     """The layout rank ``rank`` computes from every rank's routing (``all_topk_idx[r]``: [T_r, K])."""
     device = all_topk_idx[0].device if all_topk_idx else torch.device("cpu")
     first = rank * num_local_experts

@@ -56,7 +56,9 @@ class MokMoELayer(MoELayer):
         reason = fused_unsupported_reason(config, self.experts)
         self.token_dispatcher.fused = reason is None
         if reason is not None:
-            logger.warning("MoK: fused expert path off (%s); using MoK dispatch/combine with Megatron's experts", reason)
+            logger.warning(
+                "MoK: fused expert path off (%s); using MoK dispatch/combine with Megatron's experts", reason
+            )
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         if not self.token_dispatcher.fused:

@@ -111,8 +111,12 @@ def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w1: Sequence[torch.Tensor],
-    w2: Sequence[torch.Tensor], plan: MokPlan,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    plan: MokPlan,
 ) -> None:
     if x.dim() != 2:
         raise ValueError(f"MoK input must be [tokens, hidden], got shape {tuple(x.shape)}")
@@ -135,7 +139,9 @@ def _validate(
         if a.dim() != 2 or a.shape[1] != H or a.shape[0] % 2:
             raise ValueError(f"fc1 weight of local expert {e} must be [2*ffn, hidden={H}], got {tuple(a.shape)}")
         if b.shape != (H, a.shape[0] // 2):
-            raise ValueError(f"fc2 weight of local expert {e} must be [hidden={H}, ffn={a.shape[0] // 2}], got {tuple(b.shape)}")
+            raise ValueError(
+                f"fc2 weight of local expert {e} must be [hidden={H}, ffn={a.shape[0] // 2}], got {tuple(b.shape)}"
+            )
 
 
 def _pull_rows(plan: MokPlan, layout: ExpertLayout, source: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
@@ -181,8 +187,12 @@ def _row_weights(layout: ExpertLayout, all_w: Sequence[torch.Tensor], lo: int, h
 
 
 def mok_forward(
-    plan: MokPlan, x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-    w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+    plan: MokPlan,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
 ) -> tuple[torch.Tensor, dict]:
     """One rank's MoK forward. Returns ``out`` [T, H] and the state backward needs."""
     _validate(x, topk_idx, topk_w, w1, w2, plan)
@@ -202,11 +212,7 @@ def mok_forward(
     ring = RingBuffer(plan.ring, H, dtype, x.device)
     combine_buf = torch.zeros(T * K, H, dtype=dtype, device=x.device)
     saved_x = torch.empty(N, H, dtype=dtype, device=x.device)
-    saved_h = (
-        torch.empty(N, w1[0].shape[0] if w1 else 0, dtype=acc, device=x.device)
-        if plan.save_fc1_output
-        else None
-    )
+    saved_h = torch.empty(N, w1[0].shape[0] if w1 else 0, dtype=acc, device=x.device) if plan.save_fc1_output else None
     batches = list(minibatches(N, mb, slots))
     for i in range(rounds):
         if i < len(batches):
@@ -236,8 +242,14 @@ def mok_forward(
     combine_buf = combine_buf.view(T, K, H)
     out = torch.einsum("tk,tkh->th", topk_w.detach().to(acc), combine_buf.to(acc)).to(dtype) if K else x.new_zeros(T, H)
     state = {
-        "layout": layout, "all_w": all_w, "combine_buf": combine_buf, "saved_x": saved_x,
-        "saved_h": saved_h, "rounds": rounds, "shape": (T, K, H), "dtype": dtype,
+        "layout": layout,
+        "all_w": all_w,
+        "combine_buf": combine_buf,
+        "saved_x": saved_x,
+        "saved_h": saved_h,
+        "rounds": rounds,
+        "shape": (T, K, H),
+        "dtype": dtype,
     }
     return out, state
 
@@ -246,7 +258,6 @@ def mok_backward(
     plan: MokPlan, state: dict, grad_out: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Gradients (input, top-k weights, fc1 weights, fc2 weights) for one rank."""
-    tp = plan.transport
     layout: ExpertLayout = state["layout"]
     T, K, H = state["shape"]
     dtype = state["dtype"]
@@ -329,8 +340,13 @@ class ReferenceBackend:
 
 
 def mok_moe(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-    w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor], plan: MokPlan, backend=None,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    plan: MokPlan,
+    backend=None,
 ) -> torch.Tensor:
     """The whole MoE layer (dispatch, experts, combine) for one rank, differentiable."""
     backend = backend or ReferenceBackend()
@@ -338,8 +354,11 @@ def mok_moe(
 
 
 def dense_moe_reference(
-    x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor,
-    w1_all: Sequence[torch.Tensor], w2_all: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_w: torch.Tensor,
+    w1_all: Sequence[torch.Tensor],
+    w2_all: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """Token-by-token definition with all experts' weights at hand (no EP): the plain math."""
     acc = _acc_dtype(x.dtype)
@@ -356,6 +375,7 @@ def dense_moe_reference(
 
 
 # ---- unfused building blocks (MoKTokenDispatcher with Megatron's own experts) -------------
+
 
 class PullRows(torch.autograd.Function):
     """Differentiable pull of layout rows from the source ranks: backward pushes gradients home."""

@@ -48,7 +48,9 @@ def _check_version() -> None:
     params = list(inspect.signature(MoELayer.__init__).parameters)
     expected = ["self", "config", "submodules", "layer_number", "pg_collection"]
     if params[: len(expected)] != expected:
-        raise RuntimeError(f"megatron-core MoELayer.__init__ has an unexpected signature {params}; megatron-mok needs updating")
+        raise RuntimeError(
+            f"megatron-core MoELayer.__init__ has an unexpected signature {params}; megatron-mok needs updating"
+        )
     if list(inspect.signature(MoETokenDispatcher.__init__).parameters)[:3] != ["self", "config", "pg_collection"]:
         raise RuntimeError("megatron-core MoETokenDispatcher.__init__ changed; megatron-mok needs updating")
 

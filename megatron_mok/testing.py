@@ -1,5 +1,9 @@
 """Helpers to build small Megatron MoE layers with MoK (tests, examples, benchmarks).
 
+``install_cpu_alltoall_shim`` lets Megatron-Core's own ``alltoall`` dispatcher run on a CPU-only
+machine (its CUDA side-stream calls become no-ops) so it can serve as the oracle there; it changes
+nothing when CUDA is present and is only for test / example processes.
+
 Megatron-Core's stock ``TopKRouter.gating`` moves its weight to CUDA unconditionally; the
 :class:`PortableTopKRouter` here computes the same logits wherever the weight lives, so a whole
 MoE layer runs on CPU (gloo) as well as on GPU.
@@ -7,6 +11,7 @@ MoE layer runs on CPU (gloo) as well as on GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -14,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -139,3 +145,52 @@ def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> N
     import torch.multiprocessing as mp
 
     mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args, backend), nprocs=world_size, join=True)
+
+
+# ---- Megatron alltoall on CPU -------------------------------------------------------------
+
+
+class _NoStream:
+    def wait_stream(self, _s) -> None:
+        pass
+
+    def record_event(self):
+        return _NoEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _NoStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+class _NoEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_a) -> None:
+        pass
+
+
+def install_cpu_alltoall_shim() -> None:
+    """Let Megatron's ``alltoall`` dispatcher run on CPU/gloo (see the class docs above); no-op with CUDA."""
+    if torch.cuda.is_available() or getattr(torch.cuda, "_mok_cpu_shim", False):
+        return
+    stream = _NoStream()
+    torch.cuda.Stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: stream  # type: ignore[assignment]
+    torch.cuda.stream = lambda _s: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        as_list = lambda s: s.tolist() if hasattr(s, "tolist") else s  # noqa: E731
+        return original(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), group=group, async_op=async_op
+        )
+
+    dist.all_to_all_single = all_to_all_single
+    torch.cuda._mok_cpu_shim = True  # type: ignore[attr-defined]

@@ -31,7 +31,11 @@ def test_bundled_configs_cover_the_required_architectures():
     assert {"kimi-k2", "deepseek-v3", "qwen3-235b-a22b", "qwen3-30b-a3b", "tiny-test"} <= names
     k2 = load_config("kimi-k2")
     assert (k2.model.hidden_size, k2.model.moe_ffn_hidden_size, k2.model.num_moe_experts, k2.model.moe_router_topk) == (
-        7168, 2048, 384, 8)
+        7168,
+        2048,
+        384,
+        8,
+    )
     assert k2.model.moe_shared_expert_intermediate_size == 2048
     dsv3 = load_config("deepseek-v3")
     assert (dsv3.model.num_moe_experts, dsv3.model.moe_router_topk) == (256, 8)
@@ -111,7 +115,9 @@ def test_cross_check_against_megatron_config():
         cfg.check_against(tc, ep_size=3)
     with pytest.raises(MokConfigError, match="flex"):
         big = parse_config(_with("model", num_moe_experts=256), "big.yaml")
-        big.check_against(moe_transformer_config(hidden_size=256, ffn_hidden_size=128, num_experts=256, topk=2), ep_size=128)
+        big.check_against(
+            moe_transformer_config(hidden_size=256, ffn_hidden_size=128, num_experts=256, topk=2), ep_size=128
+        )
 
 
 def test_resolve_order(monkeypatch, tmp_path):

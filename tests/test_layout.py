@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from routings import ROUTINGS, make_topk
 
 from megatron_mok.layout import (
     RoutingError,
@@ -10,7 +11,6 @@ from megatron_mok.layout import (
     topk_from_routing_map,
     validate_routing,
 )
-from routings import ROUTINGS, make_topk
 
 
 @pytest.mark.parametrize("kind", ROUTINGS)
@@ -24,7 +24,9 @@ def test_layout_matches_brute_force(kind):
         lay = compute_layout(idx, q, L)
         want = sorted(
             (int(e) - q * L, r, t, k)
-            for r in range(R) for t in range(tokens[r]) for k in range(K)
+            for r in range(R)
+            for t in range(tokens[r])
+            for k in range(K)
             if q * L <= int(e := idx[r][t, k]) < (q + 1) * L
         )
         got = list(zip(lay.local_expert.tolist(), lay.src_rank.tolist(), lay.src_token.tolist(), lay.src_k.tolist()))

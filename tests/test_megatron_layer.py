@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from routings import ROUTINGS, dense_routing, make_topk
 
 from megatron_mok.config import parse_config
 from megatron_mok.testing import build_moe_layer, make_fixed_router, moe_transformer_config, spawn
-from routings import ROUTINGS, dense_routing, make_topk
 
 H, F, E, K = 64, 32, 8, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -35,7 +35,13 @@ def _small_ring_config():
     # 16-row minibatches, 2 slots: every rank cycles its ring several times
     return parse_config(
         {
-            "model": {"name": "t", "hidden_size": H, "moe_ffn_hidden_size": F, "num_moe_experts": E, "moe_router_topk": K},
+            "model": {
+                "name": "t",
+                "hidden_size": H,
+                "moe_ffn_hidden_size": F,
+                "num_moe_experts": E,
+                "moe_router_topk": K,
+            },
             "kernel": {"comm_sms": 8, "ring_slots": 2, "minibatch_tokens": 16, "minibatch_align": 16},
         },
         "small-ring",
@@ -72,7 +78,7 @@ def _compare(rank, ws, kind, swiglu, seq=12, batch=2):
         if p.grad is None:
             assert q.grad is None or not q.grad.any(), f"{name}: MoK produced a gradient where alltoall has none"
             continue
-        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m: f"rank {rank} {kind}: {name} grad {m}")
+        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=lambda m, n=name: f"rank {rank} {kind}: {n} grad {m}")
     if swiglu:
         stats = mok.token_dispatcher.last_plan.stats
         assert stats["ring_fills"] == stats["minibatches"]

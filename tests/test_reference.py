@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from routings import ROUTINGS, make_topk
 
 from megatron_mok.reference import (
     MokPlan,
@@ -15,7 +16,6 @@ from megatron_mok.reference import (
 )
 from megatron_mok.testing import spawn
 from megatron_mok.transport import ProcessGroupTransport, run_emulated
-from routings import ROUTINGS, make_topk
 
 
 def _problem(R, L, H, F, K, tokens, kind, seed=0, dtype=torch.float64):
@@ -42,12 +42,20 @@ def _dense_grads(xs, idx, ws, w1, w2, R):
             for e in idx[r][:, k].unique().tolist():
                 sel = idx[r][:, k] == e
                 if e >= 0:
-                    o = o.index_add(0, sel.nonzero().flatten(), ww[r][sel, k, None] * (swiglu(xx[r][sel] @ a[e].t()) @ b[e].t()))
+                    o = o.index_add(
+                        0, sel.nonzero().flatten(), ww[r][sel, k, None] * (swiglu(xx[r][sel] @ a[e].t()) @ b[e].t())
+                    )
         outs.append(o)
         loss = loss + (o * (r + 1)).sum() + (o**2).sum()
     loss.backward()
     z = lambda t, like: t if t is not None else torch.zeros_like(like)  # noqa: E731
-    return outs, [z(x.grad, x) for x in xx], [z(w.grad, w) for w in ww], [z(t.grad, t) for t in a], [z(t.grad, t) for t in b]
+    return (
+        outs,
+        [z(x.grad, x) for x in xx],
+        [z(w.grad, w) for w in ww],
+        [z(t.grad, t) for t in a],
+        [z(t.grad, t) for t in b],
+    )
 
 
 def _mok_rank(tp, xs, idx, ws, w1, w2, ring, L):
@@ -100,7 +108,7 @@ def test_bf16_numerics_match_the_kernel_definition():
         want = dense_moe_reference(xs[r], idx[r], ws[r], w1, w2)
         assert got[r].dtype == torch.bfloat16
         torch.testing.assert_close(got[r], want, rtol=1e-2, atol=1e-2)
-        assert (got[r].float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+        assert (got[r].float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
 
 
 def _gloo_rank(rank, world_size, problem, out_path):

@@ -40,8 +40,12 @@ def test_transformer_config_builds_a_mok_moe_layer():
     layer = build_moe_layer(cfg)  # through the stock spec: partial(MoELayer, ...)
     assert isinstance(layer, MokMoELayer) and isinstance(layer, MoELayer)
     assert isinstance(layer.token_dispatcher, MoKTokenDispatcher)
-    assert isinstance(layer.token_dispatcher, __import__(
-        "megatron.core.transformer.moe.token_dispatcher", fromlist=["MoETokenDispatcher"]).MoETokenDispatcher)
+    assert isinstance(
+        layer.token_dispatcher,
+        __import__(
+            "megatron.core.transformer.moe.token_dispatcher", fromlist=["MoETokenDispatcher"]
+        ).MoETokenDispatcher,
+    )
     assert cfg.moe_token_dispatcher_type == "mok"  # the placeholder used during build is restored
     out, bias = layer(torch.randn(4, 2, cfg.hidden_size))
     assert out.shape == (4, 2, cfg.hidden_size) and bias is None
@@ -81,9 +85,14 @@ def _run(args, tmp_path):
 @pytest.mark.slow
 def test_launch_flag_with_megatron_lm_parser(tmp_path):
     flags = ["--moe-token-dispatcher-type", "mok", "--mok-config", "deepseek-v3"]
-    stock = _run(lambda s: ["-c", "import typing, typing_extensions; typing.override = typing_extensions.override; "
-                            f"import runpy, sys; sys.argv = [{s!r}, *{flags!r}]; runpy.run_path({s!r}, run_name='__main__')"],
-                 tmp_path)
+    stock = _run(
+        lambda s: [
+            "-c",
+            "import typing, typing_extensions; typing.override = typing_extensions.override; "
+            f"import runpy, sys; sys.argv = [{s!r}, *{flags!r}]; runpy.run_path({s!r}, run_name='__main__')",
+        ],
+        tmp_path,
+    )
     assert stock.returncode != 0 and "invalid choice: 'mok'" in stock.stderr  # Megatron alone rejects it
     launched = _run(lambda s: ["-m", "megatron_mok.launch", s, *flags], tmp_path)
     assert launched.returncode == 0, launched.stderr[-2000:]

@@ -34,15 +34,33 @@ class MokKernelError(RuntimeError):
 
 class _Args(ctypes.Structure):
     _fields_ = [
-        ("R", ctypes.c_int), ("L", ctypes.c_int), ("H", ctypes.c_int), ("F", ctypes.c_int), ("K", ctypes.c_int),
-        ("comm_sms", ctypes.c_int), ("ring_slots", ctypes.c_int), ("minibatch", ctypes.c_int),
-        ("ctas_per_rank", ctypes.c_int), ("stall_rank", ctypes.c_int), ("stall_slot", ctypes.c_int),
+        ("R", ctypes.c_int),
+        ("L", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("F", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("comm_sms", ctypes.c_int),
+        ("ring_slots", ctypes.c_int),
+        ("minibatch", ctypes.c_int),
+        ("ctas_per_rank", ctypes.c_int),
+        ("stall_rank", ctypes.c_int),
+        ("stall_slot", ctypes.c_int),
         ("device", ctypes.c_int),
         ("timeout_ms", ctypes.c_double),
-        ("T", ctypes.c_void_p), ("x", ctypes.c_void_p), ("idx", ctypes.c_void_p), ("w", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("combine", ctypes.c_void_p), ("tpe", ctypes.c_void_p),
-        ("w1", ctypes.c_void_p), ("w1_ld", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("w2_ld", ctypes.c_void_p),
-        ("workspace", ctypes.c_ulonglong), ("workspace_bytes", ctypes.c_ulonglong), ("err", ctypes.c_ulonglong),
+        ("T", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("idx", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("combine", ctypes.c_void_p),
+        ("tpe", ctypes.c_void_p),
+        ("w1", ctypes.c_void_p),
+        ("w1_ld", ctypes.c_void_p),
+        ("w2", ctypes.c_void_p),
+        ("w2_ld", ctypes.c_void_p),
+        ("workspace", ctypes.c_ulonglong),
+        ("workspace_bytes", ctypes.c_ulonglong),
+        ("err", ctypes.c_ulonglong),
     ]
 
 
@@ -66,8 +84,12 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_workspace_bytes.restype = ctypes.c_longlong
         lib.mok_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
         lib.mok_forward_emulated_launch.restype = ctypes.c_int
-        lib.mok_forward_emulated_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p,
-                                                    ctypes.c_int]
+        lib.mok_forward_emulated_launch.argtypes = [
+            ctypes.POINTER(_Args),
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+        ]
         lib.mok_device_info.restype = ctypes.c_int
         lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.mok_version.restype = ctypes.c_char_p
@@ -115,8 +137,9 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
     L = len(w1[0])
     if L > MOK_MAX_LOCAL_EXPERTS:
         _fail(f"at most {MOK_MAX_LOCAL_EXPERTS} local experts, got {L}")
-    _check_tensor(w2[0][0] if isinstance(w2[0], (list, tuple)) and w2[0] else None, "w2[0][0]", torch.bfloat16, 2,
-                  device)
+    _check_tensor(
+        w2[0][0] if isinstance(w2[0], (list, tuple)) and w2[0] else None, "w2[0][0]", torch.bfloat16, 2, device
+    )
     H, F = w2[0][0].shape
     if H % 64 or F % 64 or H == 0 or F == 0:
         _fail(f"hidden ({H}) and ffn ({F}) sizes must be positive multiples of 64")
@@ -133,15 +156,21 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
         if K is None:
             K = topk_idx[r].shape[1]
         if tuple(topk_idx[r].shape) != (T, K) or tuple(topk_weight[r].shape) != (T, K):
-            _fail(f"rank {r}: topk_idx {tuple(topk_idx[r].shape)} / topk_weight {tuple(topk_weight[r].shape)} "
-                  f"must both be ({T}, {K}) (K must be the same on every rank)")
+            _fail(
+                f"rank {r}: topk_idx {tuple(topk_idx[r].shape)} / topk_weight {tuple(topk_weight[r].shape)} "
+                f"must both be ({T}, {K}) (K must be the same on every rank)"
+            )
         if not topk_idx[r].is_contiguous() or not topk_weight[r].is_contiguous():
             _fail(f"topk_idx[{r}] and topk_weight[{r}] must be contiguous")
     if K < 1 or K > 64:
         _fail(f"top-k must be in [1, 64], got {K}")
     for q in range(R):
-        if not isinstance(w1[q], (list, tuple)) or len(w1[q]) != L or not isinstance(w2[q], (list, tuple)) \
-                or len(w2[q]) != L:
+        if (
+            not isinstance(w1[q], (list, tuple))
+            or len(w1[q]) != L
+            or not isinstance(w2[q], (list, tuple))
+            or len(w2[q]) != L
+        ):
             _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
         for e in range(L):
             a, b = w1[q][e], w2[q][e]
@@ -153,8 +182,10 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
                 _fail(f"w2[{q}][{e}] must be [H, F] = [{H}, {F}], got {tuple(b.shape)}")
             for n, t in ((f"w1[{q}][{e}]", a), (f"w2[{q}][{e}]", b)):
                 if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
-                    _fail(f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
-                          f"16-byte aligned start (got strides {t.stride()})")
+                    _fail(
+                        f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
+                        f"16-byte aligned start (got strides {t.stride()})"
+                    )
     if not isinstance(comm_sms, int) or comm_sms < 1:
         _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
@@ -174,20 +205,37 @@ def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
     code, rank, slot, phase, expected, seen, extra, block = err[:8]
     pname = _PHASES.get(phase, f"phase {phase}")
     if code == 1:
-        return (f"MoK kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
-                f"saw {seen} after {timeout_ms:g} ms (CTA {block})")
+        return (
+            f"MoK kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
+            f"saw {seen} after {timeout_ms:g} ms (CTA {block})"
+        )
     if code == 2:
-        return (f"MoK kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
-                f"[0, {R * L})")
+        return (
+            f"MoK kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
+            f"[0, {R * L})"
+        )
     return f"MoK kernel internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
 
 
-def mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms: int, ring_slots: int, minibatch_tokens: int,
-                         timeout_ms: float = 10000.0, debug_stall: tuple[int, int] | None = None,
-                         ctas_per_rank: int = 0, check: bool = True):
+def mok_forward_emulated(
+    x,
+    topk_idx,
+    topk_weight,
+    w1,
+    w2,
+    *,
+    comm_sms: int,
+    ring_slots: int,
+    minibatch_tokens: int,
+    timeout_ms: float = 10000.0,
+    debug_stall: tuple[int, int] | None = None,
+    ctas_per_rank: int = 0,
+    check: bool = True,
+):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring."""
-    R, L, H, F, K, device = _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens,
-                                      timeout_ms, debug_stall)
+    R, L, H, F, K, device = _validate(
+        x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
+    )
     lib = load_library()
     dev = device.index if device.index is not None else torch.cuda.current_device()
     num_sms, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
@@ -213,7 +261,7 @@ def mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms: int, rin
     args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
     args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
     args.ctas_per_rank = cpr
-    args.stall_rank, args.stall_slot = (debug_stall if debug_stall is not None else (-1, -1))
+    args.stall_rank, args.stall_slot = debug_stall if debug_stall is not None else (-1, -1)
     args.device = dev
     args.timeout_ms = float(timeout_ms)
     args.T = arr(Ts, _i64_array)

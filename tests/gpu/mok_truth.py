@@ -18,18 +18,20 @@ def make_experts(R, L, H, F, device, gen, strided=False):
             w1.append([b1[e, :, :H] for e in range(L)])
             w2.append([b2[e, :, :F] for e in range(L)])
         else:
-            w1.append([(torch.randn((2 * F, H), generator=gen, device=device) / math.sqrt(H)).bfloat16()
-                       for _ in range(L)])
-            w2.append([(torch.randn((H, F), generator=gen, device=device) / math.sqrt(F)).bfloat16()
-                       for _ in range(L)])
+            w1.append(
+                [(torch.randn((2 * F, H), generator=gen, device=device) / math.sqrt(H)).bfloat16() for _ in range(L)]
+            )
+            w2.append([(torch.randn((H, F), generator=gen, device=device) / math.sqrt(F)).bfloat16() for _ in range(L)])
     return w1, w2
 
 
 def make_routing(T, K, E, mode, device, gen):
     """topk_idx [T, K] int32 and weights [T, K] float32 for a routing mode."""
     if T == 0:
-        return (torch.empty((0, K), dtype=torch.int32, device=device),
-                torch.empty((0, K), dtype=torch.float32, device=device))
+        return (
+            torch.empty((0, K), dtype=torch.int32, device=device),
+            torch.empty((0, K), dtype=torch.float32, device=device),
+        )
     if mode in ("uniform", "minus1"):
         p = torch.ones((T, E), device=device)
     elif mode == "skewed":
@@ -64,8 +66,10 @@ def ground_truth(x, topk_idx, topk_weight, w1, w2):
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        combs = [torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
-                 for t, i in zip(x, topk_idx)]
+        combs = [
+            torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
+            for t, i in zip(x, topk_idx)
+        ]
         tpe = [torch.zeros((L,), dtype=torch.int32, device=x[0].device) for _ in range(R)]
         for q in range(R):
             for e in range(L):
@@ -89,7 +93,7 @@ def ground_truth(x, topk_idx, topk_weight, w1, w2):
             valid = (topk_idx[r] >= 0).float() * topk_weight[r]
             acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
             for k in range(topk_idx[r].shape[1]):  # k order, fp32
-                acc += valid[:, k: k + 1] * combs[r][:, k].float()
+                acc += valid[:, k : k + 1] * combs[r][:, k].float()
             outs.append(acc.bfloat16())
         return outs, combs, tpe
     finally:

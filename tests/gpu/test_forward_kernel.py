@@ -32,8 +32,23 @@ def kernel():
     return k
 
 
-def _run_case(kernel, R, L, H, F, K, Ts, mode, *, comm_sms=2, ring_slots=3, minibatch=256, seed=0, strided=False,
-              timeout_ms=5000.0):
+def _run_case(
+    kernel,
+    R,
+    L,
+    H,
+    F,
+    K,
+    Ts,
+    mode,
+    *,
+    comm_sms=2,
+    ring_slots=3,
+    minibatch=256,
+    seed=0,
+    strided=False,
+    timeout_ms=5000.0,
+):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
@@ -45,8 +60,9 @@ def _run_case(kernel, R, L, H, F, K, Ts, mode, *, comm_sms=2, ring_slots=3, mini
         idx.append(i)
         wts.append(w)
     w1, w2 = make_experts(R, L, H, F, dev, gen, strided=strided)
-    out, comb, tpe = kernel.mok_forward_emulated(x, idx, wts, w1, w2, comm_sms=comm_sms, ring_slots=ring_slots,
-                                                 minibatch_tokens=minibatch, timeout_ms=timeout_ms)
+    out, comb, tpe = kernel.mok_forward_emulated(
+        x, idx, wts, w1, w2, comm_sms=comm_sms, ring_slots=ring_slots, minibatch_tokens=minibatch, timeout_ms=timeout_ms
+    )
     torch.cuda.synchronize()
     r_out, r_comb, r_tpe = ground_truth(x, idx, wts, w1, w2)
     for q in range(R):
@@ -82,8 +98,7 @@ def test_small_model(kernel, R, mode):
 @pytest.mark.parametrize("R", [1, 4])
 def test_ring_smaller_than_batch(kernel, R):
     # 8 experts, 2000 tokens x top-2 per rank: dozens of minibatches through a 2-slot ring of 64 rows
-    _run_case(kernel, R, 8 // R, Ts=[2000] * R, mode="skewed", comm_sms=1, ring_slots=2, minibatch=64, seed=5,
-              **SMALL)
+    _run_case(kernel, R, 8 // R, Ts=[2000] * R, mode="skewed", comm_sms=1, ring_slots=2, minibatch=64, seed=5, **SMALL)
 
 
 def test_single_slot_ring_odd_minibatch(kernel):
@@ -96,19 +111,22 @@ def test_strided_weight_views(kernel):
 
 def test_qwen3_30b_slice(kernel):
     # Qwen3-30B-A3B-like: hidden 2048, expert ffn 768, top-8; 2 emulated ranks x 8 local experts
-    _run_case(kernel, 2, 8, 2048, 768, 8, Ts=[1024, 768], mode="skewed", comm_sms=6, ring_slots=3, minibatch=512,
-              seed=11)
+    _run_case(
+        kernel, 2, 8, 2048, 768, 8, Ts=[1024, 768], mode="skewed", comm_sms=6, ring_slots=3, minibatch=512, seed=11
+    )
 
 
 def test_kimi_k2_slice(kernel):
     # Kimi-K2 per-GPU slice: hidden 7168, expert ffn 2048, top-8, 8 local experts, EP=1, 4096 tokens
-    _run_case(kernel, 1, 8, 7168, 2048, 8, Ts=[4096], mode="uniform", comm_sms=16, ring_slots=3, minibatch=2560,
-              seed=12)
+    _run_case(
+        kernel, 1, 8, 7168, 2048, 8, Ts=[4096], mode="uniform", comm_sms=16, ring_slots=3, minibatch=2560, seed=12
+    )
 
 
 def test_kimi_k2_slice_ep8(kernel):
-    _run_case(kernel, 8, 2, 7168, 2048, 8, Ts=[512] * 8, mode="skewed", comm_sms=3, ring_slots=2, minibatch=512,
-              seed=13)
+    _run_case(
+        kernel, 8, 2, 7168, 2048, 8, Ts=[512] * 8, mode="skewed", comm_sms=3, ring_slots=2, minibatch=512, seed=13
+    )
 
 
 def test_stall_times_out_and_recovers(kernel):
@@ -126,8 +144,18 @@ def _stall(kernel):
     x = [torch.randn((600, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
     rt = [make_routing(600, K, R * L, "uniform", dev, gen) for _ in range(R)]
     w1, w2 = make_experts(R, L, H, F, dev, gen)
-    kernel.mok_forward_emulated(x, [a for a, _ in rt], [b for _, b in rt], w1, w2, comm_sms=2, ring_slots=2,
-                                minibatch_tokens=128, timeout_ms=300.0, debug_stall=(1, 1))
+    kernel.mok_forward_emulated(
+        x,
+        [a for a, _ in rt],
+        [b for _, b in rt],
+        w1,
+        w2,
+        comm_sms=2,
+        ring_slots=2,
+        minibatch_tokens=128,
+        timeout_ms=300.0,
+        debug_stall=(1, 1),
+    )
 
 
 def test_bad_index_raises(kernel):
