@@ -48,15 +48,22 @@ def kernel_unavailable_reason(
     return None
 
 
-def select_backend(device: torch.device, world_size: int, dtype: str = "bf16"):
+def select_backend(
+    device: torch.device,
+    world_size: int,
+    dtype: str = "bf16",
+    tensor_dtype: torch.dtype | None = None,
+    comm_sms: int = 20,
+    timeout_ms: float = 10000.0,
+):
     want = requested_backend()
     if want == "reference":
         return ReferenceBackend()
-    reason = kernel_unavailable_reason(device, world_size, dtype)
+    reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
         from .kernel_backend import KernelBackend
 
-        return KernelBackend()
+        return KernelBackend(comm_sms=comm_sms, timeout_ms=timeout_ms)
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)

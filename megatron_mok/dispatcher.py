@@ -65,6 +65,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.topk_idx: torch.Tensor | None = None
         self.layout: ExpertLayout | None = None
         self.last_plan: MokPlan | None = None
+        self.last_backend: str | None = None
 
     # ---- helpers --------------------------------------------------------------------------
     @property
@@ -145,7 +146,16 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         validate_routing(self.topk_idx, self.num_experts)
         w1, w2 = expert_weights(experts)
         plan = self._plan()
-        backend = select_backend(hidden_states.device, self.transport.world_size, self.mok_config.kernel.dtype)
+        k = self.mok_config.kernel
+        backend = select_backend(
+            hidden_states.device,
+            self.transport.world_size,
+            k.dtype,
+            hidden_states.dtype,
+            comm_sms=k.comm_sms,
+            timeout_ms=k.timeout_ms,
+        )
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan
+        self.last_backend = backend.name
         return out

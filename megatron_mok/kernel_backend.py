@@ -1,0 +1,60 @@
+"""The CUDA megakernel behind :class:`~megatron_mok.reference.MokMoEFunction`.
+
+Forward runs the fused MoK kernel (schedule, pull dispatch, expert FFN, push combine, weighted
+sum). The backward kernel is not built yet: backward runs the reference's backward algorithm
+(pull reverse-combine, dgrad / wgrad, push reverse-dispatch) on the GPU, from the state the forward
+kernel leaves (``combine_buf``) plus the layout and dispatched rows recomputed from the routing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import compute_layout, num_minibatches
+from .reference import MokPlan, mok_backward
+
+
+class KernelBackend:
+    name = "kernel"
+
+    def __init__(self, comm_sms: int = 20, timeout_ms: float = 10000.0) -> None:
+        self.comm_sms = comm_sms
+        self.timeout_ms = timeout_ms
+
+    def forward(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2):
+        from . import kernel
+
+        tp = plan.transport
+        if tp.world_size != 1:
+            raise RuntimeError("the MoK kernel backend runs EP=1 per process until symmetric-memory EP is wired")
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        out, combine, _tpe = kernel.mok_forward_emulated(
+            [x.detach().contiguous()],
+            [topk_idx.to(torch.int32).contiguous()],
+            [topk_w.detach().float().contiguous()],
+            [[w.detach() for w in w1]],
+            [[w.detach() for w in w2]],
+            comm_sms=self.comm_sms,
+            ring_slots=plan.ring.ring_slots,
+            minibatch_tokens=plan.ring.minibatch_tokens,
+            timeout_ms=self.timeout_ms,
+        )
+        layout = compute_layout([topk_idx.long()], 0, plan.num_local_experts)
+        plan.layout = layout
+        n = layout.num_rows
+        plan.stats = {"rows": n, "minibatches": num_minibatches(n, plan.ring.minibatch_tokens)}
+        state = {
+            "layout": layout,
+            "all_w": [topk_w.detach().float()],
+            "combine_buf": combine[0].view(T, K, H),
+            "saved_x": x.detach()[layout.src_token],
+            "saved_h": None,  # recomputed in backward
+            "rounds": plan.stats["minibatches"],
+            "shape": (T, K, H),
+            "dtype": x.dtype,
+        }
+        return out[0], state
+
+    def backward(self, plan, state, grad_out, w1, w2):
+        return mok_backward(plan, state, grad_out, w1, w2)
