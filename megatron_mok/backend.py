@@ -30,11 +30,16 @@ def requested_backend() -> str:
 
 
 def kernel_unavailable_reason(
-    device: torch.device | None = None, world_size: int = 1, dtype: str = "bf16"
+    device: torch.device | None = None,
+    world_size: int = 1,
+    dtype: str = "bf16",
+    tensor_dtype: torch.dtype | None = None,
 ) -> str | None:
     """None when the kernel can run this call, else why not."""
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernel needs CUDA"
+    if tensor_dtype is not None and tensor_dtype != torch.bfloat16:
+        return f"activations are {tensor_dtype}, the kernel runs bf16"
     try:
         from . import kernel
     except Exception as exc:  # noqa: BLE001 - any import failure means "no kernel"

@@ -193,4 +193,9 @@ def install_cpu_alltoall_shim() -> None:
         )
 
     dist.all_to_all_single = all_to_all_single
+    # attention dropout forks Megatron's CUDA RNG tracker; there is no CUDA RNG on CPU
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
     torch.cuda._mok_cpu_shim = True  # type: ignore[attr-defined]
