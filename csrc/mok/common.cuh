@@ -1,0 +1,149 @@
+// MoK forward megakernel: shared types, constants and small PTX helpers.
+//
+// Everything here is our own code. From CUTLASS/CuTe (nvidia-cutlass==4.2.0.0 headers) we only use
+// arch-level atoms: the WGMMA instruction wrappers (cute/arch/mma_sm90_gmma.hpp), the TMA load
+// atom (cute/arch/copy_sm90_tma.hpp) and mbarrier helpers (cutlass/arch/barrier.h).
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>  // CUtensorMap (types only; the driver entry point is fetched at run time)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#define MOK_MAX_RANKS 72
+#define MOK_MAX_LOCAL_EXPERTS 512
+#define MOK_MAX_EXPERTS 8192
+#define MOK_MAX_SLOTS 64
+
+namespace mok {
+
+// ---- kernel geometry --------------------------------------------------------------------------
+constexpr int kThreads = 384;           // 3 warpgroups: WG0 = TMA producer, WG1/WG2 = WGMMA consumers
+constexpr int kWarps = kThreads / 32;
+constexpr int kBM = 128;                // GEMM tile rows (2 consumer warpgroups x 64)
+constexpr int kBN = 256;                // GEMM tile cols (fc1: 128 gate + 128 up; fc2: 256 hidden)
+constexpr int kBK = 64;                 // 64 bf16 = 128 B = one SWIZZLE_128B row
+constexpr int kStages = 4;              // smem pipeline depth
+constexpr int kFc1ActCols = kBN / 2;    // activation columns produced per fc1 tile
+constexpr int kATileBytes = kBM * kBK * 2;      // 16 KB
+constexpr int kBTileBytes = kBN * kBK * 2;      // 32 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one warp per chunk)
+
+// ---- error reporting ----------------------------------------------------------------------------
+enum ErrCode : int { kErrNone = 0, kErrTimeout = 1, kErrBadIndex = 2, kErrInternal = 3 };
+enum Phase : int {
+  kPhaseGridBarrier = 1,
+  kPhaseDispatchReady = 2,   // compute waits for dispatch of a ring slot
+  kPhaseSlotFree = 3,        // dispatch waits for a ring slot to be released by combine
+  kPhaseFc1Done = 4,         // fc2 tile waits for the fc1 tiles of its row block
+  kPhaseComputeDone = 5,     // final weighted combine waits for all experts' pushes
+  kPhasePipeline = 6,        // internal smem pipeline (mbarrier) wait
+  kPhaseSchedule = 7,
+};
+// err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
+
+// ---- per-rank table (global memory) -------------------------------------------------------------
+// In emulated EP all ranks live on one GPU; with real EP these pointers would be peer pointers
+// (torch symmetric memory buffer_ptrs) and the same device code runs unchanged.
+struct RankTable {
+  const __nv_bfloat16* x;       // [T, H]
+  const int* idx;               // [T, K]
+  const float* w;               // [T, K]
+  __nv_bfloat16* out;           // [T, H]
+  __nv_bfloat16* combine;       // [T, K, H]   (home-rank receive buffer of push combine)
+  int* tokens_per_expert;       // [L]
+  int T;
+  int entry_base;               // sum_{r'<r} T_r' * K
+  int chunk_base;               // sum_{r'<r} ceil(T_r' / kChunkTokens)
+  int pad;
+};
+
+struct Params {
+  int R, L, E, H, F, K;
+  int comm_sms, ctas_per_rank, ring_slots, minibatch;
+  int mt_max, nt1, nt2, tickets_per_mb;
+  int mb_cap;                         // max minibatches per rank (counter array size)
+  int num_chunks, total_entries;
+  int stall_rank, stall_slot;
+  unsigned long long timeout_ns;
+  long long layout_cap;               // rows per rank in layout buffer
+  const RankTable* ranks;             // [R]
+  const CUtensorMap* tmaps;           // see tmap_* helpers
+  __nv_bfloat16* ring;                // [R][S][M][H]  dispatch ring buffer (x rows in layout order)
+  __nv_bfloat16* act;                 // [R][S][M][F]  SwiGLU activations per slot
+  int2* layout;                       // [R][layout_cap] (src rank, src entry t*K+k)
+  int* local_rank;                    // [total_entries]
+  int* chunk_counts;                  // [E][num_chunks] (zeroed per launch)
+  int* expert_total;                  // [E]
+  int* expert_off;                    // [R][L+1]
+  unsigned* counters;                 // see ctr_* helpers (zeroed per launch)
+  int* err;                           // [8]
+};
+
+// Tensor map table: per expert (global id g): 3*g+0 gate [F,H], 3*g+1 up [F,H], 3*g+2 w2 [H,F];
+// then per rank q: 3*E + 2*q + 0 ring [S*M, H], 3*E + 2*q + 1 act [S*M, F].
+__device__ __forceinline__ const CUtensorMap* tmap_gate(const Params& P, int g) { return P.tmaps + 3 * g + 0; }
+__device__ __forceinline__ const CUtensorMap* tmap_up(const Params& P, int g) { return P.tmaps + 3 * g + 1; }
+__device__ __forceinline__ const CUtensorMap* tmap_w2(const Params& P, int g) { return P.tmaps + 3 * g + 2; }
+__device__ __forceinline__ const CUtensorMap* tmap_ring(const Params& P, int q) { return P.tmaps + 3 * P.E + 2 * q; }
+__device__ __forceinline__ const CUtensorMap* tmap_act(const Params& P, int q) { return P.tmaps + 3 * P.E + 2 * q + 1; }
+
+// Counter layout (all monotonic within a launch; zeroed by the host launcher before each launch).
+// Ring-protocol counters are kept per minibatch (not per slot), so no round arithmetic is needed and
+// minibatches with fewer row blocks than others cannot confuse a slot's counters.
+__host__ __device__ inline long long ctr_count(int R, int mb_cap, int mt_max) {
+  return 2 + (long long)R + 2LL * R * mb_cap + (long long)R * mb_cap * mt_max;
+}
+__device__ __forceinline__ unsigned* ctr_grid_barrier(const Params& P) { return P.counters + 0; }
+__device__ __forceinline__ unsigned* ctr_compute_done(const Params& P) { return P.counters + 1; }
+__device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return P.counters + 2 + q; }
+// +1 per comm CTA once minibatch mb sits in its ring slot
+__device__ __forceinline__ unsigned* ctr_ready(const Params& P, int q, int mb) {
+  return P.counters + 2 + P.R + (long long)q * P.mb_cap + mb;
+}
+// +1 per finished fc2 tile (combine pushes written) of minibatch mb
+__device__ __forceinline__ unsigned* ctr_mb_done(const Params& P, int q, int mb) {
+  return P.counters + 2 + P.R + (long long)P.R * P.mb_cap + (long long)q * P.mb_cap + mb;
+}
+// +1 per finished fc1 tile of row block mt of minibatch mb
+__device__ __forceinline__ unsigned* ctr_fc1_done(const Params& P, int q, int mb, int mt) {
+  return P.counters + 2 + P.R + 2LL * P.R * P.mb_cap + ((long long)q * P.mb_cap + mb) * P.mt_max + mt;
+}
+
+// ---- PTX helpers ---------------------------------------------------------------------------------
+// Emulated EP keeps every flag GPU-local (.gpu scope). A real multi-GPU build would use .sys for the
+// few cross-rank flags (start/finish barriers); ring counters stay local in the pull design.
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_volatile_int(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Generic-proxy writes (st.global) that a later TMA (async proxy) read must see, and vice versa.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace mok

@@ -1,0 +1,240 @@
+// Expert FFN on the compute SMs of rank q: a persistent, warp-specialized WGMMA pipeline.
+//
+//   WG0 (1 thread)  producer: takes work tickets in order (ring_buffer.cuh), waits for the
+//                   tile's dependency (slot ready / fc1 row block done), publishes a TileInfo to
+//                   the consumers (2-deep smem ring, mbarriers), then streams the K loop with TMA
+//                   into a kStages-deep smem ring (full/empty mbarriers with transaction bytes).
+//   WG1, WG2        consumers: 64 rows each of a 128x256 tile; per 64-wide K block four
+//                   wgmma.m64n256k16 (bf16 -> fp32), one group kept in flight.
+//     fc1 tile  : B = [128 gate rows ; 128 up rows] of W1_e for activation cols [nt*128, nt*128+128)
+//                 -> epilogue a = bf16(silu(g) * u) in fp32 (gate col j and up col j sit in the same
+//                 thread's registers), stored to the slot's activation buffer.
+//     fc2 tile  : A = activations of the row block, B = W2_e rows [nt*256, +256)
+//                 -> epilogue = push combine: bf16 rows written straight to combine_buf[r][t,k,:]
+//                 of the home rank (a peer store in real EP).
+#pragma once
+#include "common.cuh"
+#include "gemm_sm90.cuh"
+#include "push_combine.cuh"
+#include "ring_buffer.cuh"
+#include "timeout.cuh"
+
+namespace mok {
+
+struct ComputeSmem {
+  uint8_t* stages;
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* info_full;
+  uint64_t* info_empty;
+  TileInfo* info;
+  int* off;
+};
+
+__host__ __device__ constexpr int compute_smem_bytes() {
+  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + 64;
+}
+
+__device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
+  ComputeSmem s;
+  s.stages = smem;
+  s.full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  s.empty = s.full + kStages;
+  s.info_full = s.empty + kStages;
+  s.info_empty = s.info_full + 2;
+  s.info = reinterpret_cast<TileInfo*>(s.info_empty + 2);
+  s.off = reinterpret_cast<int*>(s.info + 2);
+  return s;
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+
+// ------------------------------------------------------------------------------------------------
+__device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
+  const int L = P.L, M = P.minibatch, S = P.ring_slots;
+  const int N = sm.off[L];
+  const int nmb = num_minibatches(N, M);
+  const unsigned total = (unsigned)nmb * (unsigned)P.tickets_per_mb;
+  const int t1 = P.mt_max * P.nt1;
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  while (true) {
+    TileInfo ti;
+    ti.kind = 0;
+    while (true) {
+      const unsigned tk = atomicAdd(ctr_ticket(P, q), 1u);
+      if (tk >= total) break;
+      const int mb = (int)(tk / (unsigned)P.tickets_per_mb);
+      int u = (int)(tk % (unsigned)P.tickets_per_mb);
+      const int kind = u < t1 ? 1 : 2;
+      if (kind == 2) u -= t1;
+      const int ntc = kind == 1 ? P.nt1 : P.nt2;
+      const int mt = u / ntc, nt = u % ntc;
+      const int a = mb * M, b = min(a + M, N);
+      const int s = mb % S, j = mb / S;
+      int e = 0, row0 = 0, rows = 0;
+      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) continue;  // empty ticket
+      bool ok;
+      if (kind == 1)
+        ok = wait_counter_geq(P, ctr_ready(P, q, mb), (unsigned)P.comm_sms, q, s, kPhaseDispatchReady);
+      else
+        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done);
+      if (!ok) break;  // abort: publish exit
+      fence_proxy_async_global();
+      ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
+      ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a;
+      break;
+    }
+    mbar_wait(P, &sm.info_empty[ii], iph ^ 1u, q, 1);
+    sm.info[ii] = ti;
+    Barrier::arrive(&sm.info_full[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) return;
+
+    const int g = q * L + ti.expert;
+    const int arow = ti.slot * M + (ti.row0 - ti.mb_start);
+    const int nk = ti.kind == 1 ? ceil_div(P.H, kBK) : ceil_div(P.F, kBK);
+    const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
+    for (int kb = 0; kb < nk; ++kb) {
+      mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
+      uint8_t* a_s = sm.stages + st * kStageBytes;
+      uint8_t* b_s = a_s + kATileBytes;
+      Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+      tma_load_2d(amap, &sm.full[st], a_s, kb * kBK, arow);
+      if (ti.kind == 1) {
+        tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kFc1ActCols);
+        tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * kBK, ti.nt * kFc1ActCols);
+      } else {
+        tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kBN);
+      }
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
+__device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
+  const int lt = threadIdx.x & 127;
+  const int warp_in_wg = lt >> 5, lane = lt & 31;
+  const int H = P.H, F = P.F, M = P.minibatch, S = P.ring_slots;
+  float acc[128];
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  while (true) {
+    mbar_wait(P, &sm.info_full[ii], iph, q, 3);
+    const TileInfo ti = sm.info[ii];
+    named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
+    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) break;
+
+    const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
+    int prev = 0;
+    for (int kb = 0; kb < nk; ++kb) {
+      mbar_wait(P, &sm.full[st], ph, q, 4);
+      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
+      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+      const uint64_t da = make_smem_desc_sw128(a_s);
+      const uint64_t db = make_smem_desc_sw128(b_s);
+      fence_acc(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      fence_acc(acc);
+      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+      prev = st;
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+    cute::warpgroup_wait<0>();
+    fence_acc(acc);
+    if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+
+    // ---------------- epilogue ----------------
+    const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    const int cq = 2 * (lane & 3);
+    if (ti.kind == 1) {
+      __nv_bfloat16* act = P.act + ((long long)(q * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        if (r < ti.rows) {
+          __nv_bfloat16* dst = act + (long long)r * F;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int c = ti.nt * kFc1ActCols + 8 * j + cq;
+            if (c < F) {
+              const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
+              const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+              *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(a0, a1);
+            }
+          }
+        }
+      }
+      fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) {
+        __threadfence();
+        red_release_gpu_add(ctr_fc1_done(P, q, ti.mb, ti.mt), 1u);
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        if (r < ti.rows) {
+          const int2 src = P.layout[(long long)q * P.layout_cap + ti.row0 + r];
+          push_combine_row_frag(P, src, ti.nt * kBN + cq, acc, h);
+        }
+      }
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) {
+        __threadfence();
+        red_release_gpu_add(ctr_mb_done(P, q, ti.mb), 1u);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Returns true if this CTA's consumer threads should go on to the final combine reduce.
+__device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
+  const ComputeSmem sm = carve_smem(smem);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&sm.full[s], 1);
+      Barrier::init(&sm.empty[s], 2);
+    }
+    for (int i = 0; i < 2; ++i) {
+      Barrier::init(&sm.info_full[i], 1);
+      Barrier::init(&sm.info_empty[i], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  for (int e = threadIdx.x; e <= P.L; e += blockDim.x) sm.off[e] = P.expert_off[q * (P.L + 1) + e];
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) ffn_producer(P, q, sm);
+    return false;
+  } else {
+    setmaxnreg_inc<224>();
+    ffn_consumer(P, q, sm, wg - 1);
+    named_bar_sync(1, 256);
+    if (threadIdx.x == 128) {
+      __threadfence();
+      red_release_gpu_add(ctr_compute_done(P), 1u);
+    }
+    return true;
+  }
+}
+
+}  // namespace mok

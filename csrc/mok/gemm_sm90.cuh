@@ -1,0 +1,56 @@
+// Hopper GEMM building blocks for the compute role: TMA 2-D tile loads into SWIZZLE_128B smem,
+// WGMMA m64n256k16 (bf16 x bf16 -> fp32, both operands K-major in smem), mbarrier helpers.
+// Uses CuTe/CUTLASS arch-level atoms only.
+#pragma once
+#include "common.cuh"
+#include "timeout.cuh"
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <utility>
+
+namespace mok {
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;  // static API on raw uint64_t smem words
+
+// Shared-memory matrix descriptor for a K-major operand tile stored as rows of 128 B with the
+// 128-byte swizzle (exactly what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element box).
+// start address >> 4 in bits [0,14), leading byte offset (unused for swizzled K-major) [16,30),
+// stride byte offset = 1024 B (8 rows) in [32,46), layout type 1 = SWIZZLE_128B in [62,64).
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
+  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem_ptr);
+  uint64_t desc = 0;
+  desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+  desc |= (uint64_t)1 << 16;
+  desc |= (uint64_t)(1024 >> 4) << 32;
+  desc |= (uint64_t)1 << 62;
+  return desc;
+}
+
+using Wgmma256 = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::K>;
+
+template <size_t... I>
+__device__ __forceinline__ void wgmma256_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                              std::index_sequence<I...>) {
+  Wgmma256::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+// d[128] += A(64x16, smem) * B(256x16, smem)^T   (or d = A*B^T when !accumulate)
+__device__ __forceinline__ void wgmma_64x256x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma256_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
+}
+
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// TMA 2-D load: box at (c0 = inner/K coordinate, c1 = row coordinate) into smem, completing on bar.
+__device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1) {
+  cute::SM90_TMA_LOAD_2D::copy(map, bar, 0x1000000000000000ull /*EVICT_NORMAL*/, smem, c0, c1);
+}
+
+}  // namespace mok

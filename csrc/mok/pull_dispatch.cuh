@@ -1,0 +1,63 @@
+// Pull dispatch (comm SMs of rank q): for each minibatch in order, wait until its ring slot is free,
+// copy (pull) the layout rows' x vectors from the source ranks' x buffers into the slot, then publish
+// the slot's ready counter. In emulated EP the source pointers come from the per-rank table; with
+// real EP they would be NVLink peer pointers (symmetric memory), and the copy is a remote read.
+#pragma once
+#include "common.cuh"
+#include "ring_buffer.cuh"
+#include "timeout.cuh"
+
+namespace mok {
+
+__device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, const __nv_bfloat16* __restrict__ src,
+                                              int H, int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const int nv = H / 8;
+  int v = lane;
+  for (; v + 96 < nv; v += 128) {
+    const uint4 a0 = __ldg(s + v), a1 = __ldg(s + v + 32), a2 = __ldg(s + v + 64), a3 = __ldg(s + v + 96);
+    d[v] = a0; d[v + 32] = a1; d[v + 64] = a2; d[v + 96] = a3;
+  }
+  for (; v < nv; v += 32) d[v] = __ldg(s + v);
+}
+
+// Returns false if the kernel is aborting.
+__device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
+  const int N = P.expert_off[q * (P.L + 1) + P.L];
+  const int M = P.minibatch, S = P.ring_slots, H = P.H;
+  const int nmb = num_minibatches(N, M);
+  const int* off = P.expert_off + q * (P.L + 1);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gw = c * kWarps + warp;
+  const int stride = P.comm_sms * kWarps;
+  const int2* layout = P.layout + (long long)q * P.layout_cap;
+  for (int i = 0; i < nmb; ++i) {
+    const int s = i % S;
+    if (i >= S) {  // wait until minibatch i-S (same slot) has been fully combined
+      if (threadIdx.x == 0) {
+        const int pa = (i - S) * M;
+        const unsigned need = (unsigned)(P.nt2 * count_mtiles(off, P.L, pa, min(pa + M, N)));
+        *s_flag = wait_counter_geq(P, ctr_mb_done(P, q, i - S), need, q, s, kPhaseSlotFree) ? 1 : 0;
+      }
+      __syncthreads();
+      if (!*s_flag) return false;
+    }
+    const int a = i * M, b = min(a + M, N);
+    __nv_bfloat16* slot = P.ring + ((long long)(q * S + s) * M) * H;
+    for (int row = a + gw; row < b; row += stride) {
+      const int2 src = layout[row];
+      const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
+      copy_row_bf16(slot + (long long)(row - a) * H, sp, H, lane);
+    }
+    fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
+    __syncthreads();
+    if (threadIdx.x == 0 && !(q == P.stall_rank && s == P.stall_slot)) {
+      __threadfence();
+      red_release_gpu_add(ctr_ready(P, q, i), 1u);
+    }
+  }
+  return true;
+}
+
+}  // namespace mok

@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Benchmark the fused MoK forward megakernel against unfused torch and Megatron-Core baselines.
+
+One process, same inputs for every method. CUDA events, warmup, median of --iters.
+  MoK        : megatron_mok.kernel.mok_forward_emulated (EP=1 emulated, one launch)
+  torch      : permute (argsort) + torch._grouped_mm fc1 + SwiGLU + torch._grouped_mm fc2 + unpermute + weighted sum
+  mcore      : Megatron-Core MoEAlltoAllTokenDispatcher + SequentialMLP at EP=1 (if megatron.core imports)
+  dense      : torch.mm bf16 ceiling at the fc1 and fc2 shapes with the same row count
+TFLOP/s counts 2*rows*H*2F + 2*rows*F*H (rows = routed (token, k) rows).
+
+  python scripts/bench_forward.py                       # kimi + qwen shapes
+  python scripts/bench_forward.py --shapes kimi --sweep # also sweep comm_sms x minibatch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PEAK = 760.0  # TFLOP/s, bf16 dense reference used for "fraction of peak"
+
+SHAPES = {
+    # name: (H, F, K, L, tokens)
+    "kimi": (7168, 2048, 8, 8, 8192),      # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
+    "qwen": (2048, 768, 8, 16, 4096),       # Qwen3-30B-A3B-like slice: 32768 rows, 16 local experts
+}
+
+
+def timeit(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times), min(times)
+
+
+def make_inputs(H, F, K, L, T, seed=0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    x = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    scores = torch.rand((T, L), generator=g, device=dev)
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()   # uniform-ish, distinct experts
+    w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
+    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H ** 0.5).bfloat16()
+    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F ** 0.5).bfloat16()
+    return x, idx, w, w1, w2
+
+
+def torch_forward(x, idx, w, w1t, w2t, L, F):
+    T, H = x.shape
+    K = idx.shape[1]
+    flat = idx.view(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=L)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x.index_select(0, order // K)
+    h = torch._grouped_mm(xs, w1t, offs=offs)
+    a = (torch.nn.functional.silu(h[:, :F].float()) * h[:, F:].float()).bfloat16()
+    y = torch._grouped_mm(a, w2t, offs=offs)
+    yk = torch.empty_like(y)
+    yk[order] = y
+    return (yk.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).bfloat16()
+
+
+def mcore_setup(H, F, K, L):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=F, moe_ffn_hidden_size=F,
+        num_moe_experts=L, moe_router_topk=K, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bf16=True, params_dtype=torch.bfloat16, add_bias_linear=False, moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=False, perform_initialization=False,
+    )
+    experts = SequentialMLP(L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    experts = experts.cuda().bfloat16()
+    disp = MoEAlltoAllTokenDispatcher(num_local_experts=L, local_expert_indices=list(range(L)), config=cfg)
+    return experts, disp
+
+
+def mcore_forward(experts, disp, x, routing_map, probs):
+    hs, pp = disp.dispatch_preprocess(x, routing_map, probs)
+    hs, pp = disp.token_dispatch(hs, pp)
+    hs, tpe, pp = disp.dispatch_postprocess(hs, pp)
+    out, _ = experts(hs, tpe, pp)
+    out = disp.combine_preprocess(out)
+    out = disp.token_combine(out)
+    return disp.combine_postprocess(out)
+
+
+def dense_ceiling(rows, H, F, iters, warmup):
+    a = torch.randn((rows, H), device="cuda").bfloat16()
+    b1 = torch.randn((H, 2 * F), device="cuda").bfloat16()
+    a2 = torch.randn((rows, F), device="cuda").bfloat16()
+    b2 = torch.randn((F, H), device="cuda").bfloat16()
+    t1, _ = timeit(lambda: torch.mm(a, b1), iters, warmup)
+    t2, _ = timeit(lambda: torch.mm(a2, b2), iters, warmup)
+    return t1, t2
+
+
+def bench_shape(name, args, results):
+    import megatron_mok.kernel as mk
+
+    H, F, K, L, T = SHAPES[name]
+    rows = T * K
+    flops = 2.0 * rows * H * 2 * F + 2.0 * rows * F * H
+    tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    x, idx, w, w1, w2 = make_inputs(H, F, K, L, T)
+    w1l = [[w1[e] for e in range(L)]]
+    w2l = [[w2[e] for e in range(L)]]
+    print(f"\n=== {name}: H={H} F={F} top-{K} L={L} tokens={T} rows={rows} ({flops / 1e12:.2f} TFLOP) ===", flush=True)
+    res = {"shape": name, "H": H, "F": F, "K": K, "L": L, "tokens": T, "rows": rows, "tflop": flops / 1e12}
+
+    # correctness spot check vs torch baseline
+    w1t, w2t = w1.transpose(1, 2), w2.transpose(1, 2)
+    ref = torch_forward(x, idx, w, w1t, w2t, L, F)
+
+    configs = [(args.comm_sms, args.minibatch)]
+    if args.sweep:
+        configs = [(c, m) for c in (8, 12, 16, 24) for m in (1024, 2560, 4096)]
+    best = None
+    for comm, mb in configs:
+        try:
+            kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=mb)
+            out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw)
+            err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
+            fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
+            ms, mn = timeit(fn, args.iters, args.warmup)
+            mk.check_last_error()
+            print(f"MoK comm_sms={comm:3d} minibatch={mb:5d} slots={args.ring_slots}: {ms:8.3f} ms (min {mn:.3f}) "
+                  f"{tf(ms):7.1f} TFLOP/s  {tf(ms) / PEAK * 100:5.1f}% of {PEAK:.0f}  rel.err vs torch {err:.2e}",
+                  flush=True)
+            res.setdefault("mok", []).append({"comm_sms": comm, "minibatch": mb, "ms": ms, "tflops": tf(ms),
+                                              "rel_err_vs_torch": err})
+            if best is None or ms < best[0]:
+                best = (ms, comm, mb)
+        except Exception as exc:
+            print(f"MoK comm_sms={comm} minibatch={mb}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            res.setdefault("mok_fail", []).append(str(exc))
+            if isinstance(exc, mk.MokKernelError):
+                break
+
+    t_ms, t_mn = timeit(lambda: torch_forward(x, idx, w, w1t, w2t, L, F), args.iters, args.warmup)
+    print(f"torch permute+_grouped_mm+SwiGLU+_grouped_mm+combine: {t_ms:8.3f} ms (min {t_mn:.3f}) "
+          f"{tf(t_ms):7.1f} TFLOP/s  {tf(t_ms) / PEAK * 100:5.1f}%", flush=True)
+    res["torch_ms"] = t_ms
+
+    if not args.no_mcore:
+        try:
+            experts, disp = mcore_setup(H, F, K, L)
+            with torch.no_grad():
+                for e in range(L):
+                    experts.local_experts[e].linear_fc1.weight.copy_(w1[e])
+                    experts.local_experts[e].linear_fc2.weight.copy_(w2[e])
+            routing_map = torch.zeros((T, L), dtype=torch.bool, device="cuda")
+            routing_map.scatter_(1, idx.long(), True)
+            probs = torch.zeros((T, L), dtype=torch.float32, device="cuda")
+            probs.scatter_(1, idx.long(), w)
+            with torch.no_grad():
+                mo = mcore_forward(experts, disp, x, routing_map, probs)
+                merr = ((mo.float() - ref.float()).norm() / ref.float().norm()).item()
+                m_ms, m_mn = timeit(lambda: mcore_forward(experts, disp, x, routing_map, probs), args.iters,
+                                    args.warmup)
+            print(f"Megatron-Core alltoall dispatcher + SequentialMLP (EP=1): {m_ms:8.3f} ms (min {m_mn:.3f}) "
+                  f"{tf(m_ms):7.1f} TFLOP/s  rel.err vs torch {merr:.2e}", flush=True)
+            res["mcore_ms"] = m_ms
+        except Exception as exc:
+            print(f"Megatron-Core baseline unavailable: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=3)
+            res["mcore_error"] = f"{type(exc).__name__}: {exc}"
+
+    d1, d2 = dense_ceiling(rows, H, F, args.iters, args.warmup)
+    dense_tf = flops / ((d1 + d2) * 1e-3) / 1e12
+    print(f"dense torch.mm ceiling: fc1 [{rows}x{H}]x[{H}x{2 * F}] {d1:.3f} ms, fc2 {d2:.3f} ms -> "
+          f"{d1 + d2:.3f} ms {dense_tf:.1f} TFLOP/s", flush=True)
+    res["dense_ms"] = d1 + d2
+    if best:
+        res["mok_best_ms"] = best[0]
+        line = (f"SUMMARY {name}: MoK {best[0]:.3f} ms ({tf(best[0]):.0f} TFLOP/s, comm_sms={best[1]}, "
+                f"minibatch={best[2]}) | torch {t_ms:.3f} ms -> speedup {t_ms / best[0]:.2f}x")
+        if "mcore_ms" in res:
+            line += f" | mcore {res['mcore_ms']:.3f} ms -> {res['mcore_ms'] / best[0]:.2f}x"
+        line += f" | dense-mm ceiling {d1 + d2:.3f} ms (MoK/dense = {(d1 + d2) / best[0]:.2f})"
+        print(line, flush=True)
+    results.append(res)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="kimi,qwen")
+    ap.add_argument("--comm-sms", type=int, default=16)
+    ap.add_argument("--minibatch", type=int, default=2560)
+    ap.add_argument("--ring-slots", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-mcore", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import megatron_mok.kernel as mk
+
+    if not mk.is_available():
+        print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
+        return 1
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    results = []
+    for name in args.shapes.split(","):
+        bench_shape(name.strip(), args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
+# library, run the GPU tests, run the benchmark. Logs go to $OUT (or ./gpu_logs).
+#   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
+# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_BENCH=0 skips the benchmark,
+#      MOK_PYTEST_ARGS overrides "-x -q".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_logs}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    2>&1 | tail -3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export MOK_CACHE_DIR="${MOK_CACHE_DIR:-/tmp/mok_cache}"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee "$OUT/gpu.txt"
+echo "== build"
+python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
+import time
+t = time.time()
+from megatron_mok.kernel import build
+p = build.build_library(verbose=False)
+print("built", p, f"{time.time() - t:.1f}s")
+log = p.with_suffix(".log")
+if log.exists():
+    print("\n".join(l for l in log.read_text().splitlines() if "registers" in l or "spill" in l or "ptxas" in l))
+import megatron_mok.kernel as k
+print("is_available:", k.is_available(), k.unavailable_reason())
+PY
+rc=0
+if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
+  echo "== tests"
+  timeout ${MOK_TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu ${MOK_PYTEST_ARGS:--x -q} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
+  echo "== bench"
+  timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_forward.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $rc
