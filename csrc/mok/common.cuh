@@ -64,6 +64,7 @@ struct Params {
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
   int mt_max, nt1, nt2, tickets_per_mb;
   int mb_cap;                         // max minibatches per rank (counter array size)
+  int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;
   unsigned long long timeout_ns;

@@ -72,7 +72,17 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       const int kind = u < t1 ? 1 : 2;
       if (kind == 2) u -= t1;
       const int ntc = kind == 1 ? P.nt1 : P.nt2;
-      const int mt = u / ntc, nt = u % ntc;
+      int mt, nt;
+      if (P.raster == 0) {         // row-block major
+        mt = u / ntc; nt = u % ntc;
+      } else if (P.raster == 1) {  // n-tile major
+        mt = u % P.mt_max; nt = u / P.mt_max;
+      } else {                     // bands of `raster` row blocks, n-tile major inside a band (L2 reuse)
+        const int GM = P.raster;
+        const int b = u / (GM * ntc), idx = u % (GM * ntc);
+        const int gm = min(GM, P.mt_max - b * GM);
+        mt = b * GM + idx % gm; nt = idx / gm;
+      }
       const int a = mb * M, b = min(a + M, N);
       const int s = mb % S, j = mb / S;
       int e = 0, row0 = 0, rows = 0;
@@ -160,23 +170,25 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 
     // ---------------- epilogue ----------------
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
-    const int cq = 2 * (lane & 3);
     if (ti.kind == 1) {
       __nv_bfloat16* act = P.act + ((long long)(q * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
-        if (r < ti.rows) {
-          __nv_bfloat16* dst = act + (long long)r * F;
+        __nv_bfloat16* dst = r < ti.rows ? act + (long long)r * F : nullptr;
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int c = ti.nt * kFc1ActCols + 8 * j + cq;
-            if (c < F) {
-              const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
-              const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
-              *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(a0, a1);
-            }
+        for (int j0 = 0; j0 < 16; j0 += 4) {
+          uint32_t wv[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = j0 + jj;
+            const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
+            const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+            wv[jj] = pack_bf16x2(a0, a1);
           }
+          const uint4 v = quad_transpose(wv[0], wv[1], wv[2], wv[3], lane);
+          const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));
+          if (dst != nullptr && c < F) *reinterpret_cast<uint4*>(dst + c) = v;
         }
       }
       fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
@@ -189,10 +201,12 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
+        __nv_bfloat16* dst = nullptr;
         if (r < ti.rows) {
           const int2 src = P.layout[(long long)q * P.layout_cap + ti.row0 + r];
-          push_combine_row_frag(P, src, ti.nt * kBN + cq, acc, h);
+          dst = P.ranks[src.x].combine + (long long)src.y * H;  // push: home rank's combine buffer row
         }
+        store_row_frag256(dst, ti.nt * kBN, H, acc, h, lane);
       }
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {

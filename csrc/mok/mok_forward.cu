@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -211,6 +212,34 @@ bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsign
   return true;
 }
 
+struct StagingBuf {
+  uint8_t* host = nullptr;
+  size_t cap = 0;
+  cudaEvent_t done = nullptr;
+  bool used = false;
+};
+
+// Round-robin over 4 pinned buffers; before reuse wait for that buffer's previous H2D copy.
+const char* acquire_staging(size_t bytes, StagingBuf** out) {
+  static StagingBuf bufs[4];
+  static int next = 0;
+  StagingBuf& b = bufs[next];
+  next = (next + 1) % 4;
+  if (b.used && cudaEventSynchronize(b.done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
+  if (b.cap < bytes) {
+    if (b.host) cudaFreeHost(b.host);
+    b.host = nullptr;
+    b.cap = 0;
+    if (cudaMallocHost(reinterpret_cast<void**>(&b.host), bytes) != cudaSuccess) return "cudaMallocHost failed";
+    b.cap = bytes;
+  }
+  if (!b.done && cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming) != cudaSuccess)
+    return "cudaEventCreate failed";
+  b.used = true;
+  *out = &b;
+  return nullptr;
+}
+
 #define MOK_CUDA_CHECK(call)                                                                       \
   do {                                                                                             \
     cudaError_t e_ = (call);                                                                       \
@@ -256,16 +285,27 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
                      "R=%d ranks on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", a->R, num_sms,
                      cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
-  MOK_CUDA_CHECK(cudaFuncSetAttribute(mok::mok_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_blocks, mok::mok_forward_kernel, mok::kThreads, smem));
+  static int cached_smem[64] = {0}, cached_blocks[64] = {0};  // per device: attribute set once per size
+  const int dslot = a->device & 63;
+  if (cached_smem[dslot] != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(mok::mok_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOK_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[dslot], mok::mok_forward_kernel, mok::kThreads, smem));
+    cached_smem[dslot] = smem;
+  }
+  max_blocks = cached_blocks[dslot];
   if ((long long)a->R * cpr > (long long)max_blocks * num_sms)
     return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", a->R, cpr, num_sms,
                      max_blocks);
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
-  // host staging of tensor maps + rank table (one H2D copy)
-  std::vector<uint8_t> host(ws.ring, 0);
-  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host.data() + ws.tmaps);
+  // Host staging of tensor maps + rank table (one H2D copy) in a small ring of pinned buffers, so the
+  // copy is truly asynchronous (a pageable source may make the driver wait for the stream).
+  StagingBuf* stg = nullptr;
+  if (const char* msg = acquire_staging(ws.ring, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.ring);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F, S = a->ring_slots, M = a->minibatch;
   for (int g = 0; g < ws.E; ++g) {
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
@@ -290,7 +330,7 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
                    errlen, "act"))
       return 1;
   }
-  mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host.data() + ws.ranks);
+  mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
   long long entry_base = 0;
   int chunk_base = 0;
   for (int r = 0; r < a->R; ++r) {
@@ -312,6 +352,10 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   P.comm_sms = a->comm_sms; P.ctas_per_rank = cpr; P.ring_slots = S; P.minibatch = M;
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
+  {
+    const char* rs = getenv("MOK_RASTER");  // tuning knob (bench sweeps it)
+    P.raster = rs ? std::max(0, std::min(64, atoi(rs))) : 0;
+  }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.tickets_per_mb = P.mt_max * (P.nt1 + P.nt2);
@@ -331,7 +375,8 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   P.err = reinterpret_cast<int*>(a->err);
 
-  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host.data(), host.size(), cudaMemcpyHostToDevice, stream));
+  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ring, cudaMemcpyHostToDevice, stream));
+  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
 
@@ -347,7 +392,6 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   cfg.numAttrs = 1;
   MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::mok_forward_kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
-  // the staging vector may be freed now: cudaMemcpyAsync from pageable memory has copied it out.
   return 0;
 }
 

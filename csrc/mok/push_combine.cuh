@@ -11,15 +11,43 @@
 
 namespace mok {
 
-// One thread's share of one output row of a 64x256 WGMMA accumulator fragment:
-// columns col0 + 8*j + {0,1}, j = 0..31, values acc[4j + 2h], acc[4j + 2h + 1].
-__device__ __forceinline__ void push_combine_row_frag(const Params& P, int2 src, int col0, const float* acc, int h) {
-  __nv_bfloat16* dst = P.ranks[src.x].combine + (long long)src.y * P.H;
+// Quad transpose of packed bf16x2 words: lane l of a quad holds word w_j (columns 8j+2l, 8j+2l+1 of
+// chunks j = 0..3 of one row); afterwards lane l holds all 8 columns of chunk l (one 16-byte store).
+__device__ __forceinline__ uint4 quad_transpose(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int lane) {
+  const int l = lane & 3, base = lane & ~3;
+  uint32_t o0 = 0, o1 = 0, o2 = 0, o3 = 0;
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int c = col0 + 8 * j;
-    if (c < P.H)
-      *reinterpret_cast<__nv_bfloat162*>(dst + c) = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+  for (int r = 0; r < 4; ++r) {
+    const int sc = (l - r) & 3;  // chunk this lane sends this round
+    const uint32_t send = sc == 0 ? w0 : sc == 1 ? w1 : sc == 2 ? w2 : w3;
+    const int src = (l + r) & 3;  // lane whose pair of chunk l we receive (columns 2*src, 2*src+1)
+    const uint32_t recv = __shfl_sync(0xffffffffu, send, base | src);
+    o0 = src == 0 ? recv : o0;
+    o1 = src == 1 ? recv : o1;
+    o2 = src == 2 ? recv : o2;
+    o3 = src == 3 ? recv : o3;
+  }
+  return make_uint4(o0, o1, o2, o3);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// One output row of a 64x256 WGMMA accumulator fragment (columns col_base + 8*j + 2*(lane%4) + {0,1},
+// values acc[4j + 2h], acc[4j + 2h + 1]) pushed as 16-byte stores to dst (nullptr: row not valid;
+// all lanes must still call, the transpose uses shuffles). Columns >= ncols are skipped.
+__device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_base, int ncols, const float* acc,
+                                                  int h, int lane) {
+#pragma unroll
+  for (int j0 = 0; j0 < 32; j0 += 4) {
+    const uint4 v = quad_transpose(pack_bf16x2(acc[4 * j0 + 2 * h], acc[4 * j0 + 2 * h + 1]),
+                                   pack_bf16x2(acc[4 * (j0 + 1) + 2 * h], acc[4 * (j0 + 1) + 2 * h + 1]),
+                                   pack_bf16x2(acc[4 * (j0 + 2) + 2 * h], acc[4 * (j0 + 2) + 2 * h + 1]),
+                                   pack_bf16x2(acc[4 * (j0 + 3) + 2 * h], acc[4 * (j0 + 3) + 2 * h + 1]), lane);
+    const int c = col_base + 8 * (j0 + (lane & 3));
+    if (dst != nullptr && c < ncols) *reinterpret_cast<uint4*>(dst + c) = v;
   }
 }
 
@@ -37,16 +65,26 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int k = 0; k < K; ++k) {
-        if (idx[k] < 0) continue;
-        const float wk = w[k];
-        const uint4 d = cb[(long long)k * (H / 8) + v];
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d);
+      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows in flight, then accumulate in k order
+        uint4 d[8];
+        float wk[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(p[i]);
-          acc[2 * i] = fmaf(wk, f.x, acc[2 * i]);
-          acc[2 * i + 1] = fmaf(wk, f.y, acc[2 * i + 1]);
+        for (int u = 0; u < 8; ++u) {
+          const int k = k0 + u;
+          const bool ok = k < K && idx[k] >= 0;
+          wk[u] = ok ? w[k] : 0.f;
+          d[u] = ok ? cb[(long long)k * (H / 8) + v] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
+          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[u]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(p[i]);
+            acc[2 * i] = fmaf(wk[u], f.x, acc[2 * i]);
+            acc[2 * i + 1] = fmaf(wk[u], f.y, acc[2 * i + 1]);
+          }
         }
       }
       uint4 o;

@@ -105,6 +105,12 @@ def test_single_slot_ring_odd_minibatch(kernel):
     _run_case(kernel, 2, 4, Ts=[777, 555], mode="uniform", comm_sms=3, ring_slots=1, minibatch=200, seed=6, **SMALL)
 
 
+@pytest.mark.parametrize("raster", ["1", "4"])
+def test_ticket_orders(kernel, raster, monkeypatch):
+    monkeypatch.setenv("MOK_RASTER", raster)  # tuning knob read by the host launcher
+    _run_case(kernel, 2, 4, 512, 256, 4, Ts=[900, 700], mode="skewed", ring_slots=2, minibatch=300, seed=8)
+
+
 def test_strided_weight_views(kernel):
     _run_case(kernel, 2, 2, Ts=[400, 300], mode="uniform", seed=7, strided=True, **SMALL)
 
