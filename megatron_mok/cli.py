@@ -100,6 +100,22 @@ def _layer(args: argparse.Namespace) -> None:
     spawn(_layer_worker, args.ep, args, backend=backend)
 
 
+def _tune(args: argparse.Namespace) -> None:
+    from megatron_mok.tuner import tune
+
+    ints = lambda s: [int(v) for v in s.split(",")] if s else None  # noqa: E731
+    tune(
+        args.config,
+        ep=args.ep,
+        tokens=args.tokens,
+        out=args.out,
+        comm_sms=ints(args.comm_sms),
+        minibatches=ints(args.minibatch),
+        slots=ints(args.ring_slots),
+        iters=args.iters,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mok", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,6 +129,16 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     lp.add_argument("--check", action="store_true", help="compare with Megatron's own dispatcher")
     lp.set_defaults(fn=_layer)
+    tp = sub.add_parser("tune", help="tune the kernel settings of a config on this GPU")
+    tp.add_argument("--config", required=True, help="bundled config name or YAML path")
+    tp.add_argument("--ep", type=int, required=True, help="expert-parallel size the model will train with")
+    tp.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per layer call")
+    tp.add_argument("--out", default=None, help="write the tuned YAML here")
+    tp.add_argument("--comm-sms", default=None, help="comma list (default 4,8,12,16,20,24)")
+    tp.add_argument("--minibatch", default=None, help="comma list (default: 1x, 2x, 4x the two-wave minimum)")
+    tp.add_argument("--ring-slots", default=None, help="comma list (default 2,3,4)")
+    tp.add_argument("--iters", type=int, default=5)
+    tp.set_defaults(fn=_tune)
     args = parser.parse_args(argv)
     args.fn(args)
 

@@ -111,7 +111,8 @@ class MokConfig:
     def replace_kernel(self, **changes: Any) -> MokConfig:
         """A copy with some kernel settings changed (validated again)."""
         raw = dataclasses.asdict(self.kernel) | changes
-        kernel = _parse_kernel(raw, self.model, self.source, explicit_minibatch="minibatch_tokens" in changes)
+        # the current minibatch is a concrete value: keep it unless it is changed too
+        kernel = _parse_kernel(raw, self.model, self.source, explicit_minibatch=True)
         return MokConfig(model=self.model, kernel=kernel, source=self.source)
 
     def check_against(self, transformer_config: Any, ep_size: int | None = None) -> None:

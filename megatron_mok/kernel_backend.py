@@ -40,21 +40,25 @@ class KernelBackend:
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
         )
-        layout = compute_layout([topk_idx.long()], 0, plan.num_local_experts)
-        plan.layout = layout
-        n = layout.num_rows
-        plan.stats = {"rows": n, "minibatches": num_minibatches(n, plan.ring.minibatch_tokens)}
+        # Nothing here reads device values on the host: the layout the interim backward needs is
+        # rebuilt in backward, so the forward stays free of host synchronisation.
         state = {
-            "layout": layout,
+            "x": x.detach(),
+            "topk_idx": topk_idx,
             "all_w": [topk_w.detach().float()],
             "combine_buf": combine[0].view(T, K, H),
-            "saved_x": x.detach()[layout.src_token],
             "saved_h": None,  # recomputed in backward
-            "rounds": plan.stats["minibatches"],
             "shape": (T, K, H),
             "dtype": x.dtype,
         }
         return out[0], state
 
     def backward(self, plan, state, grad_out, w1, w2):
+        layout = compute_layout([state.pop("topk_idx").long()], 0, plan.num_local_experts)
+        plan.layout = layout
+        n = layout.num_rows
+        plan.stats = {"rows": n, "minibatches": num_minibatches(n, plan.ring.minibatch_tokens)}
+        state["layout"] = layout
+        state["saved_x"] = state.pop("x")[layout.src_token]
+        state["rounds"] = plan.stats["minibatches"]
         return mok_backward(plan, state, grad_out, w1, w2)
