@@ -87,6 +87,8 @@ class MokPlan:
     num_experts: int
     ring: RingSpec
     save_fc1_output: bool = True
+    #: Megatron's gradient_accumulation_fusion: add expert wgrads straight into ``param.main_grad``
+    fuse_wgrad_into_main_grad: bool = False
     # filled by forward, for tests and introspection
     layout: ExpertLayout | None = None
     stats: dict[str, int] = field(default_factory=dict)
@@ -301,8 +303,8 @@ def mok_backward(
     return (
         grad_x,
         grad_w,
-        [g.to(w.dtype) for g, w in zip(grad_w1, w1)],
-        [g.to(w.dtype) for g, w in zip(grad_w2, w2)],
+        grad_w1,  # fp32: the autograd node casts, or accumulates into Megatron's fp32 main_grad
+        grad_w2,
     )
 
 
@@ -315,6 +317,7 @@ class MokMoEFunction(torch.autograd.Function):
         out, state = backend.forward(plan, x, topk_idx, topk_w, w1, w2)
         ctx.plan, ctx.backend, ctx.num_w1, ctx.state = plan, backend, num_w1, state
         ctx.save_for_backward(*weights)
+        ctx.params = weights  # the Parameter objects: main_grad lives on them
         ctx.topk_w_dtype = topk_w.dtype
         return out
 
@@ -324,7 +327,10 @@ class MokMoEFunction(torch.autograd.Function):
         w1, w2 = list(weights[: ctx.num_w1]), list(weights[ctx.num_w1 :])
         gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, ctx.state, grad_out, w1, w2)
         ctx.state = None
-        return (gx, None, gw.to(ctx.topk_w_dtype), None, None, None, *gw1, *gw2)
+        fuse = ctx.plan.fuse_wgrad_into_main_grad
+        wgrads = [weight_grad_for_autograd(p, g, fuse) for p, g in zip(ctx.params, [*gw1, *gw2])]
+        ctx.params = None
+        return (gx, None, gw.to(ctx.topk_w_dtype), None, None, None, *wgrads)
 
 
 class ReferenceBackend:
@@ -337,6 +343,25 @@ class ReferenceBackend:
 
     def backward(self, plan, state, grad_out, w1, w2):
         return mok_backward(plan, state, grad_out, w1, w2)
+
+
+def weight_grad_for_autograd(weight: torch.Tensor, grad: torch.Tensor, fuse_into_main_grad: bool):
+    """What the autograd node returns for an expert weight.
+
+    With Megatron's gradient-accumulation fusion the gradient is added to ``weight.main_grad``
+    (fp32) here and, like Megatron's own linear layers, a dummy tensor is returned when the
+    parameter carries ``grad_added_to_main_grad`` (so DDP's hooks still fire on the main thread).
+    """
+    main_grad = getattr(weight, "main_grad", None) if fuse_into_main_grad else None
+    if main_grad is None:
+        return grad.to(weight.dtype)
+    main_grad.add_(grad.to(main_grad.dtype))
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        if getattr(weight, "zero_out_wgrad", False):
+            return torch.zeros(main_grad.shape, dtype=weight.dtype, device=weight.device)
+        return torch.empty(main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return None
 
 
 def mok_moe(
