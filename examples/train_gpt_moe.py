@@ -37,6 +37,7 @@ def build_model(dispatcher: str, ep: int, args, device):
         num_attention_heads=4,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        dtype=args.torch_dtype,
     )
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     mlp = spec.submodules.mlp
@@ -65,7 +66,11 @@ def train(rank: int, ws: int, args) -> None:
     megatron_mok.register()
     install_cpu_alltoall_shim()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    curves = {}
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    curves, backends = {}, {}
     for dispatcher in ("alltoall", "mok"):
         model = build_model(dispatcher, ws, args, device)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -89,12 +94,17 @@ def train(rank: int, ws: int, args) -> None:
             opt.step()
             losses.append(float(loss))
         curves[dispatcher] = losses
+        if dispatcher == "mok":
+            backends = sorted(
+                {m.token_dispatcher.last_backend for m in model.modules() if hasattr(m, "token_dispatcher")}
+            )
     gap = max(abs(a - b) for a, b in zip(curves["alltoall"], curves["mok"]))
     if rank == 0:
         print(
             json.dumps(
                 {
                     "rank": rank,
+                    "mok_backend": backends,
                     "alltoall": curves["alltoall"][:: max(1, args.steps // 10)],
                     "mok": curves["mok"][:: max(1, args.steps // 10)],
                     "max_gap": gap,
@@ -103,7 +113,7 @@ def train(rank: int, ws: int, args) -> None:
         )
     if args.out:
         with open(f"{args.out}.{rank}", "w") as f:
-            json.dump({**curves, "max_gap": gap}, f)
+            json.dump({**curves, "max_gap": gap, "mok_backend": backends}, f)
 
 
 def main(argv=None) -> None:
@@ -121,7 +131,9 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="write full loss curves to OUT.<rank> (json)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
     args = p.parse_args(argv)
+    args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     from megatron_mok.testing import spawn
 
     spawn(train, args.ep, args, backend="nccl" if torch.cuda.is_available() else "gloo")
