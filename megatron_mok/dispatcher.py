@@ -29,6 +29,19 @@ from .transport import ProcessGroupTransport, Transport
 logger = logging.getLogger(__name__)
 
 
+_CHECKED_GROUPS: set[int] = set()
+
+
+def _check_topology_once(group) -> None:
+    """All EP ranks must share one NVLink domain (a collective, once per group)."""
+    from .topology import check_ep_group
+
+    key = id(group)
+    if key not in _CHECKED_GROUPS:
+        check_ep_group(group)
+        _CHECKED_GROUPS.add(key)
+
+
 class MoKTokenDispatcher(MoETokenDispatcher):
     """Pull-dispatch / push-combine token dispatcher of MoK (see module docstring)."""
 
@@ -57,6 +70,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"got {self.local_expert_indices}"
             )
         self.mok_config: MokConfig = resolve_config(config, self.ep_size)
+        if self.ep_size > 1:
+            _check_topology_once(self.ep_group)
         self.fused = True
         self._transport: Transport | None = None
         self.cudagraph_attrs = ["topk_idx"]
