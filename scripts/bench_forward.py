@@ -188,6 +188,25 @@ def bench_shape(name, args, results):
             if isinstance(exc, mk.MokKernelError):
                 break
 
+    if args.ablate and best and os.environ.get("MOK_ABLATION") != "1":
+        print("ablation skipped: run with MOK_ABLATION=1 (separate kernel build with the MOK_DEBUG switches)")
+    elif args.ablate and best:
+        # leave-one-stage-out timings (results are wrong on purpose; MOK_DEBUG bitmask in the launcher)
+        os.environ["MOK_RASTER"] = str(best[3])
+        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2])
+        fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
+        for bit, what in ((1, "no final weighted sum"), (2, "no fc2 epilogue stores (push combine)"),
+                          (4, "no fc1 epilogue stores"), (8, "no dispatch copy"), (15, "all four")):
+            os.environ["MOK_DEBUG"] = str(bit)
+            try:
+                a_ms = timeit_pipelined(fn, args.iters, 2)
+                mk.check_last_error()
+                print(f"ablation MOK_DEBUG={bit:2d} ({what}): back-to-back {a_ms:.3f} ms", flush=True)
+                res.setdefault("ablation", {})[what] = a_ms
+            except Exception as exc:
+                print(f"ablation {bit} failed: {exc}", flush=True)
+        os.environ.pop("MOK_DEBUG", None)
+
     t_ms, t_mn = timeit(lambda: torch_forward(x, idx, w, w1t, w2t, L, F), args.iters, args.warmup)
     print(f"torch permute+_grouped_mm+SwiGLU+_grouped_mm+combine: {t_ms:8.3f} ms (min {t_mn:.3f}) "
           f"{tf(t_ms):7.1f} TFLOP/s  {tf(t_ms) / PEAK * 100:5.1f}%", flush=True)
@@ -247,6 +266,7 @@ def main():
     ap.add_argument("--sweep-comm", type=lambda s: [int(v) for v in s.split(",")], default=[4, 8, 16])
     ap.add_argument("--sweep-mb", type=lambda s: [int(v) for v in s.split(",")], default=[2560, 4096, 8192])
     ap.add_argument("--no-mcore", action="store_true")
+    ap.add_argument("--ablate", action="store_true", help="also time leave-one-stage-out variants (MOK_DEBUG)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import megatron_mok.kernel as mk

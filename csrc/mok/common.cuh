@@ -15,6 +15,15 @@
 #define MOK_MAX_EXPERTS 8192
 #define MOK_MAX_SLOTS 64
 
+// Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
+// -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
+// extra branches or registers; the bitmask comes from the MOK_DEBUG environment variable.
+#ifdef MOK_ABLATION
+#define MOK_DBG(bit) (P.debug & (bit))
+#else
+#define MOK_DBG(bit) 0
+#endif
+
 namespace mok {
 
 // ---- kernel geometry --------------------------------------------------------------------------
@@ -64,6 +73,8 @@ struct Params {
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
   int mt_max, nt1, nt2, tickets_per_mb;
   int mb_cap;                         // max minibatches per rank (counter array size)
+  int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
+                                      // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

@@ -188,7 +188,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           }
           const uint4 v = quad_transpose(wv[0], wv[1], wv[2], wv[3], lane);
           const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));
-          if (dst != nullptr && c < F) *reinterpret_cast<uint4*>(dst + c) = v;
+          if (dst != nullptr && c < F && !MOK_DBG(4)) *reinterpret_cast<uint4*>(dst + c) = v;
         }
       }
       fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
@@ -202,7 +202,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
         __nv_bfloat16* dst = nullptr;
-        if (r < ti.rows) {
+        if (r < ti.rows && !MOK_DBG(2)) {
           const int2 src = P.layout[(long long)q * P.layout_cap + ti.row0 + r];
           dst = P.ranks[src.x].combine + (long long)src.y * H;  // push: home rank's combine buffer row
         }

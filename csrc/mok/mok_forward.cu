@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       s_flag = wait_counter_geq(P, ctr_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
-    combine_reduce(P, q, local * kWarps + warp, nworkers);
+    if (!MOK_DBG(1)) combine_reduce(P, q, local * kWarps + warp, nworkers);
   } else {
     if (!compute_role(P, q, smem)) return;  // producer warpgroup leaves here
     // consumer warpgroups (256 threads) join the final weighted sum
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       *flag = wait_counter_geq(P, ctr_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
     named_bar_sync(1, 256);
     if (!*flag) return;
-    combine_reduce(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    if (!MOK_DBG(1)) combine_reduce(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
   }
 }
 
@@ -355,6 +355,8 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   {
     const char* rs = getenv("MOK_RASTER");  // tuning knob (bench sweeps it)
     P.raster = rs ? std::max(0, std::min(64, atoi(rs))) : 0;
+    const char* ds = getenv("MOK_DEBUG");  // timing ablations only
+    P.debug = ds ? atoi(ds) : 0;
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

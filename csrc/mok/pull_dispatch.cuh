@@ -55,7 +55,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
     }
     const int a = i * M, b = min(a + M, N);
     __nv_bfloat16* slot = P.ring + ((long long)(q * S + s) * M) * H;
-    for (int row = a + gw; row < b; row += stride) {
+    for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
       const int2 src = layout[row];
       const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
       copy_row_bf16(slot + (long long)(row - a) * H, sp, H, lane);

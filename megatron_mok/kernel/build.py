@@ -72,6 +72,8 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
         f"-I{include}",
         f"-I{src}",
     ]
+    if os.environ.get("MOK_ABLATION") == "1":  # timing-ablation variant (see csrc/mok/common.cuh)
+        flags.append("-DMOK_ABLATION")
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags
