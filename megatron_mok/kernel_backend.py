@@ -17,9 +17,14 @@ from .reference import MokPlan, mok_backward
 class KernelBackend:
     name = "kernel"
 
-    def __init__(self, comm_sms: int = 20, timeout_ms: float = 10000.0) -> None:
+    def __init__(self, comm_sms: int = 20, timeout_ms: float = 10000.0, check: bool | str | None = None) -> None:
+        import os
+
         self.comm_sms = comm_sms
         self.timeout_ms = timeout_ms
+        # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
+        # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
+        self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
 
     def forward(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2):
         from . import kernel
@@ -39,8 +44,10 @@ class KernelBackend:
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
+            check=self.check,
         )
-        # Nothing here reads device values on the host: the layout the interim backward needs is
+        # Nothing here reads device values on the host (errors are checked lazily): the layout the
+        # interim backward needs is
         # rebuilt in backward, so the forward stays free of host synchronisation.
         state = {
             "x": x.detach(),
@@ -54,6 +61,9 @@ class KernelBackend:
         return out[0], state
 
     def backward(self, plan, state, grad_out, w1, w2):
+        from . import kernel
+
+        kernel.check_pending_errors(wait=True)  # the forward's error record, before using its output
         layout = compute_layout([state.pop("topk_idx").long()], 0, plan.num_local_experts)
         plan.layout = layout
         n = layout.num_rows

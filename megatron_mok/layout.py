@@ -127,8 +127,12 @@ def topk_from_routing_map(
     if num_tokens == 0:
         empty = torch.empty(0, topk, dtype=torch.long, device=probs.device)
         return empty, probs.new_empty(0, topk)
-    if int(routing_map.sum(dim=1).max()) > topk:
-        raise RoutingError(f"routing_map routes a token to more than moe_router_topk={topk} experts")
+    too_many = routing_map.sum(dim=1).max() > topk
+    msg = f"routing_map routes a token to more than moe_router_topk={topk} experts"
+    if routing_map.is_cuda:
+        torch._assert_async(~too_many, msg)  # checked on the device: no host synchronisation
+    elif bool(too_many):
+        raise RoutingError(msg)
     # Stable descending sort of 0/1 puts routed experts first, in ascending id order.
     sorted_mask, sorted_idx = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True)
     idx = sorted_idx[:, :k]

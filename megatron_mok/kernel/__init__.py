@@ -14,13 +14,14 @@ Contract (used by the dispatcher):
 
 from __future__ import annotations
 
-from .emulated import MOK_MAX_RANKS, MokKernelError, check_last_error, mok_forward_emulated
+from .emulated import MOK_MAX_RANKS, MokKernelError, check_last_error, check_pending_errors, mok_forward_emulated
 
 __all__ = [
     "MOK_MAX_RANKS",
     "MokKernelError",
     "build_library",
     "check_last_error",
+    "check_pending_errors",
     "compile_only",
     "is_available",
     "mok_forward_emulated",

@@ -230,7 +230,7 @@ def mok_forward_emulated(
     timeout_ms: float = 10000.0,
     debug_stall: tuple[int, int] | None = None,
     ctas_per_rank: int = 0,
-    check: bool = True,
+    check: bool | str = True,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring."""
     R, L, H, F, K, device = _validate(
@@ -297,9 +297,75 @@ def mok_forward_emulated(
     rc = lib.mok_forward_emulated_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
     if rc != 0:
         raise MokKernelError(f"MoK launch failed: {ebuf.value.decode(errors='replace')}")
-    if check:
+    if check == "lazy":
+        _lazy_checker(dev).after_launch(err, stream, R=R, L=L, timeout_ms=timeout_ms)
+    elif check:
         check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
     return out, comb, tpe
+
+
+class _LazyErrorChecker:
+    """Reads kernel error records without synchronising the host.
+
+    After each launch the 16-int error record is copied (async, same stream, so before the next
+    launch re-zeroes it) into a pinned host slot, with an event. ``poll`` raises for any finished
+    launch that recorded an error; ``drain`` waits for all of them. The next MoK call polls, so a
+    timeout surfaces at the latest one call later -- with the rank and slot it names.
+    """
+
+    SLOTS = 64
+
+    def __init__(self) -> None:
+        self.host = torch.zeros((self.SLOTS, 16), dtype=torch.int32).pin_memory()
+        self.pending: list[tuple[int, torch.cuda.Event, tuple[int, int, float]]] = []
+        self.next = 0
+
+    def after_launch(self, err: torch.Tensor, stream, *, R: int, L: int, timeout_ms: float) -> None:
+        self.poll()
+        if len(self.pending) >= self.SLOTS:  # never overwrite an unread record
+            self.drain()
+        slot = self.next
+        self.next = (self.next + 1) % self.SLOTS
+        with torch.cuda.stream(stream):
+            self.host[slot].copy_(err, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        self.pending.append((slot, ev, (R, L, timeout_ms)))
+
+    def poll(self, wait: bool = False) -> None:
+        still = []
+        error = None
+        for slot, ev, meta in self.pending:
+            if wait:
+                ev.synchronize()
+            if not ev.query():
+                still.append((slot, ev, meta))
+                continue
+            vals = self.host[slot].tolist()
+            if vals[0] != 0 and error is None:
+                error = _error_message(vals, *meta)
+        self.pending = still
+        if error is not None:
+            raise MokKernelError(error)
+
+    def drain(self) -> None:
+        self.poll(wait=True)
+
+
+_lazy: dict[int, _LazyErrorChecker] = {}
+
+
+def _lazy_checker(dev: int) -> _LazyErrorChecker:
+    if dev not in _lazy:
+        _lazy[dev] = _LazyErrorChecker()
+    return _lazy[dev]
+
+
+def check_pending_errors(wait: bool = False) -> None:
+    """Raise MokKernelError if a launch made with ``check="lazy"`` recorded an error
+    (``wait=True`` waits for all such launches first)."""
+    for checker in _lazy.values():
+        checker.poll(wait=wait)
 
 
 def check_last_error(device=None, *, R: int = 0, L: int = 0, timeout_ms: float = 0.0) -> None:

@@ -132,3 +132,24 @@ def test_megatron_layer_kernel_backend_equals_alltoall(monkeypatch):
         assert (gx - gxb).norm() / gxb.norm() < 2e-2
         for n in gwb:
             assert (gw[n] - gwb[n]).norm() / gwb[n].norm().clamp_min(1e-6) < 3e-2, f"{other}: grad {n}"
+
+
+def test_lazy_error_check_reports_a_stall_without_host_sync():
+    """check="lazy" (the layer's default): the launch returns at once; the stall is raised by the
+    next check, naming the rank, and later calls work."""
+    kernel = _kernel_or_skip()
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    R, L, H, F, K = 2, 4, 256, 128, 2
+    xs = [torch.randn(600, H, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
+    idx = [torch.randint(0, R * L, (600, K), generator=g).to(dev, torch.int32) for _ in range(R)]
+    ws = [torch.rand(600, K, generator=g).to(dev) for _ in range(R)]
+    w1 = [[(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
+    w2 = [[(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
+    kw = dict(comm_sms=2, ring_slots=16, minibatch_tokens=128)
+    kernel.mok_forward_emulated(xs, idx, ws, w1, w2, **kw, timeout_ms=300.0, debug_stall=(1, 1), check="lazy")
+    with pytest.raises(kernel.MokKernelError, match=r"timed out: rank 1"):
+        kernel.check_pending_errors(wait=True)
+    out, _, _ = kernel.mok_forward_emulated(xs, idx, ws, w1, w2, **kw, check="lazy")
+    kernel.check_pending_errors(wait=True)  # a clean launch leaves nothing pending
+    assert torch.isfinite(out[0].float()).all()
