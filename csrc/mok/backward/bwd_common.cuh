@@ -1,0 +1,91 @@
+// MoK backward megakernel (BF16): parameters, counters, tensor-map table, small helpers.
+//
+// Reuses the forward's read-only building blocks: mok::Params (only the fields the in-kernel
+// schedule, the grid barrier and the timeout helpers read), schedule.cuh (layout), timeout.cuh
+// (every flag wait), gemm_sm90.cuh (WGMMA / TMA / mbarrier atoms), ring_buffer.cuh (row blocks).
+#pragma once
+#include "../common.cuh"
+#include "../gemm_sm90.cuh"
+#include "../ring_buffer.cuh"
+#include "../timeout.cuh"
+
+namespace mok {
+namespace bwd {
+
+// Per-rank buffers of the backward (emulated EP: all on one GPU; real EP: peer pointers).
+struct BwdRank {
+  const __nv_bfloat16* grad_out;  // [T, H]   home: output gradient (pulled by owners)
+  const __nv_bfloat16* combine;   // [T, K, H] home: forward's unweighted expert outputs
+  __nv_bfloat16* grad_buf;        // [T, K, H] home: receive buffer of the push reverse-dispatch
+  __nv_bfloat16* grad_x;          // [T, H]   home: sum_k grad_buf[t, k]
+  float* grad_w;                  // [T, K]   home: <grad_out[t], combine[t, k]>
+  __nv_bfloat16* xl;              // [cap, H]  owner: pulled x rows, layout order (wgrad operand)
+  __nv_bfloat16* gyl;             // [cap, H]  owner: w * grad_out rows, layout order (bf16)
+  __nv_bfloat16* dh;              // [cap, 2F] owner: [dgate | dup], layout order (bf16)
+  __nv_bfloat16* act;             // [cap, F]  owner: bf16(silu(g) * u) recomputed, layout order
+};
+
+struct BwdParams {
+  Params base;          // schedule / barrier / timeout fields (see mok_backward.cu)
+  const BwdRank* br;    // [R]
+  const CUtensorMap* tm;
+  unsigned* ctr;        // == base.counters
+  int nt1, nt2;         // stage-1 tiles (128 ffn cols) and stage-2 tiles (256 hidden cols) per row block
+  int t1, tickets_per_mb;
+};
+
+// Tensor maps: per global expert g: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2^T [F,H], 4g+3 W1^T [H,2F];
+// per rank q: 4E+3q+0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F].
+__device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
+__device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }
+__device__ __forceinline__ const CUtensorMap* tm_w2t(const BwdParams& P, int g) { return P.tm + 4 * g + 2; }
+__device__ __forceinline__ const CUtensorMap* tm_w1t(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
+__device__ __forceinline__ const CUtensorMap* tm_xl(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q; }
+__device__ __forceinline__ const CUtensorMap* tm_gyl(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q + 1; }
+__device__ __forceinline__ const CUtensorMap* tm_dh(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q + 2; }
+
+// Counters (zeroed per launch): [0] grid barrier (schedule.cuh / timeout.cuh use counters[0]),
+// [1] compute done, [2, 2+R) tickets, then ready[R][mb_cap], mb_done[R][mb_cap], s1_done[R][mb_cap][mt_max].
+__host__ __device__ inline long long bwd_ctr_count(int R, int mb_cap, int mt_max) {
+  return 2 + (long long)R + 2LL * R * mb_cap + (long long)R * mb_cap * mt_max;
+}
+__device__ __forceinline__ unsigned* c_compute_done(const BwdParams& P) { return P.ctr + 1; }
+__device__ __forceinline__ unsigned* c_ticket(const BwdParams& P, int q) { return P.ctr + 2 + q; }
+// +1 per comm CTA once its share of minibatch mb (x rows + scaled grad_out rows) is written
+__device__ __forceinline__ unsigned* c_ready(const BwdParams& P, int q, int mb) {
+  return P.ctr + 2 + P.base.R + (long long)q * P.base.mb_cap + mb;
+}
+// +1 per finished stage-2 (dX) tile of minibatch mb (its reverse-dispatch pushes are written)
+__device__ __forceinline__ unsigned* c_mb_done(const BwdParams& P, int q, int mb) {
+  return P.ctr + 2 + P.base.R + (long long)P.base.R * P.base.mb_cap + (long long)q * P.base.mb_cap + mb;
+}
+// +1 per finished stage-1 (dH) tile of row block mt of minibatch mb
+__device__ __forceinline__ unsigned* c_s1_done(const BwdParams& P, int q, int mb, int mt) {
+  return P.ctr + 2 + P.base.R + 2LL * P.base.R * P.base.mb_cap +
+         ((long long)q * P.base.mb_cap + mb) * P.base.mt_max + mt;
+}
+
+// ---- fragment helpers (own copies; the forward's live in push_combine.cuh) ----
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+// Lane l of a quad holds word w_j = columns (8j + 2l, 8j + 2l + 1) of 4 consecutive 8-col chunks j;
+// afterwards lane l holds the 8 columns of chunk l (one 16-byte store).
+__device__ __forceinline__ uint4 quad_xpose(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int lane) {
+  const int l = lane & 3, base = lane & ~3;
+  uint32_t o[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int sc = (l - r) & 3;
+    const uint32_t send = sc == 0 ? w0 : sc == 1 ? w1 : sc == 2 ? w2 : w3;
+    const int src = (l + r) & 3;
+    const uint32_t recv = __shfl_sync(0xffffffffu, send, base | src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = src == i ? recv : o[i];
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+}  // namespace bwd
+}  // namespace mok

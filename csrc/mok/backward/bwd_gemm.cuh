@@ -1,0 +1,361 @@
+// Backward dgrad on the compute SMs of owner rank q: persistent, warp-specialized WGMMA pipeline
+// (same structure as the forward's expert_ffn.cuh: 1 TMA producer thread + 2 consumer warpgroups,
+// 128-row tiles, BK = 64, kStages-deep smem ring with full/empty mbarriers).
+//
+// Tickets per minibatch (handed out in order by a per-rank atomic counter):
+//   stage 1, (mt, nt) over mt_max x nt1, nt = 128 ffn columns [nt*128, nt*128+128):
+//     K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u])
+//       -> act[row, c] = bf16(silu(g)*u) stored; c1 = u*dsilu(g), c2 = silu(g) parked (bf16) in dh
+//     K loop D (K = H): [128x128] = gy_rows @ W2^T rows (dA = gy @ W2), accumulator reused
+//       -> dh[row, c] = bf16(dA*c1), dh[row, F+c] = bf16(dA*c2)
+//     -> s1_done[q][mb][mt] += 1
+//   stage 2, (mt, nt) over mt_max x nt2, nt = 256 hidden columns, needs s1_done == nt1:
+//     K loop (K = 2F): acc[128x256] = dh_rows @ W1^T rows (dX = dH @ W1)
+//     epilogue = push reverse-dispatch: bf16 rows to home rank's grad_buf[t, k, :]
+//     -> mb_done[q][mb] += 1 (frees the slot for minibatch mb + S)
+// All B operands are K-major: gate/up rows of W1 as stored, W2^T [F, H] and W1^T [H, 2F] are
+// transposed copies made by the host wrapper once per call.
+#pragma once
+#include "bwd_common.cuh"
+
+namespace mok {
+namespace bwd {
+
+using Wgmma128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                cute::SM90::GMMA::Major::K>;
+template <size_t... I>
+__device__ __forceinline__ void wgmma128_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                              std::index_sequence<I...>) {
+  Wgmma128::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+__device__ __forceinline__ void wgmma_64x128x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma128_impl(da, db, d, accumulate, std::make_index_sequence<64>{});
+}
+__device__ __forceinline__ void fence_acc64(float* d) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+struct BTile {
+  int kind;  // 0 exit, 1 stage 1 (dH), 2 stage 2 (dX)
+  int mb, slot, mt, nt, expert, row0, rows;
+};
+
+struct BSmem {
+  uint8_t* stages;
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* info_full;
+  uint64_t* info_empty;
+  BTile* info;
+  int* off;
+};
+
+__host__ __device__ constexpr int bwd_compute_smem_bytes() {
+  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
+         64;
+}
+
+__device__ __forceinline__ BSmem bwd_carve(uint8_t* smem) {
+  BSmem s;
+  s.stages = smem;
+  s.full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  s.empty = s.full + kStages;
+  s.info_full = s.empty + kStages;
+  s.info_empty = s.info_full + 2;
+  s.info = reinterpret_cast<BTile*>(s.info_empty + 2);
+  s.off = reinterpret_cast<int*>(s.info + 2);
+  return s;
+}
+
+// ------------------------------------------------------------------------------------------------
+__device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
+  const Params& B = P.base;
+  const int L = B.L, M = B.minibatch, S = B.ring_slots;
+  const int N = sm.off[L];
+  const int nmb = num_minibatches(N, M);
+  const unsigned total = (unsigned)nmb * (unsigned)P.tickets_per_mb;
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  while (true) {
+    BTile ti;
+    ti.kind = 0;
+    while (true) {
+      const unsigned tk = atomicAdd(c_ticket(P, q), 1u);
+      if (tk >= total) break;
+      const int mb = (int)(tk / (unsigned)P.tickets_per_mb);
+      int u = (int)(tk % (unsigned)P.tickets_per_mb);
+      const int kind = u < P.t1 ? 1 : 2;
+      if (kind == 2) u -= P.t1;
+      const int ntc = kind == 1 ? P.nt1 : P.nt2;
+      const int mt = u / ntc, nt = u % ntc;
+      const int a = mb * M, b = min(a + M, N);
+      const int s = mb % S;
+      int e = 0, row0 = 0, rows = 0;
+      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) continue;  // empty ticket
+      bool ok;
+      if (kind == 1)
+        ok = wait_counter_geq(B, c_ready(P, q, mb), (unsigned)B.comm_sms, q, s, kPhaseDispatchReady);
+      else
+        ok = wait_counter_geq(B, c_s1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done);
+      if (!ok) break;  // abort: publish exit
+      fence_proxy_async_global();
+      ti.kind = kind; ti.mb = mb; ti.slot = s; ti.mt = mt; ti.nt = nt;
+      ti.expert = e; ti.row0 = row0; ti.rows = rows;
+      break;
+    }
+    mbar_wait(B, &sm.info_empty[ii], iph ^ 1u, q, 1);
+    sm.info[ii] = ti;
+    Barrier::arrive(&sm.info_full[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) return;
+
+    const int g = q * L + ti.expert;
+    if (ti.kind == 1) {
+      const int nk = ceil_div(B.H, kBK);
+      for (int phase = 0; phase < 2; ++phase) {  // 0: h operands (x, gate/up), 1: dA operands (gy, W2^T)
+        for (int kb = 0; kb < nk; ++kb) {
+          mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+          uint8_t* a_s = sm.stages + st * kStageBytes;
+          uint8_t* b_s = a_s + kATileBytes;
+          if (phase == 0) {
+            Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+            tma_load_2d(tm_xl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
+            tma_load_2d(tm_gate(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 128);
+            tma_load_2d(tm_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * kBK, ti.nt * 128);
+          } else {
+            Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)(kATileBytes + kBTileBytes / 2));
+            tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
+            tma_load_2d(tm_w2t(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 128);
+          }
+          if (++st == kStages) { st = 0; ph ^= 1u; }
+        }
+      }
+    } else {
+      const int nk = ceil_div(2 * B.F, kBK);
+      for (int kb = 0; kb < nk; ++kb) {
+        mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+        uint8_t* a_s = sm.stages + st * kStageBytes;
+        uint8_t* b_s = a_s + kATileBytes;
+        Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+        tma_load_2d(tm_dh(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
+        tma_load_2d(tm_w1t(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kBN);
+        if (++st == kStages) { st = 0; ph ^= 1u; }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+__device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc) {
+  const Params& B = P.base;
+  const int lt = threadIdx.x & 127;
+  const int warp_in_wg = lt >> 5, lane = lt & 31;
+  const int H = B.H, F = B.F;
+  float acc[128];
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  while (true) {
+    mbar_wait(B, &sm.info_full[ii], iph, q, 3);
+    const BTile ti = sm.info[ii];
+    named_bar_sync(2 + wgc, 128);
+    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) break;
+
+    // Stage 1: loop G (K = H): acc = x @ [gate ; up]^T (n256) = h; epilogue 1 in registers: act stored,
+    //          c1 = u * dsilu(g), c2 = silu(g) parked as bf16 in dh (own words); then loop D (K = H):
+    //          acc[0..63] = gy @ W2^T rows (n128) = dA; epilogue 2: dh = [dA * c1 | dA * c2].
+    // Stage 2: loop G only (K = 2F): acc = dh @ W1^T rows (n256); epilogue = push.
+    // Straight loops with data-dependent trip counts (no branch around the wgmma instructions).
+    const int nkG = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
+    const int nkD = ti.kind == 1 ? ceil_div(H, kBK) : 0;
+    const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    int prev = 0;
+    for (int kb = 0; kb < nkG; ++kb) {
+      mbar_wait(B, &sm.full[st], ph, q, 4);
+      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
+      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+      const uint64_t da = make_smem_desc_sw128(a_s);
+      const uint64_t db = make_smem_desc_sw128(b_s);
+      fence_acc(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      fence_acc(acc);
+      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+      prev = st;
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+    cute::warpgroup_wait<0>();
+    fence_acc(acc);
+    if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+
+    if (ti.kind == 1) {
+      __nv_bfloat16* const dhp = P.br[q].dh;
+      __nv_bfloat16* const actp = P.br[q].act;
+      // acc cols 8j + 2(lane%4) + {0,1}: j < 16 gate col nt*128 + 8j.., j >= 16 up col nt*128 + 8(j-16)..
+      // c1 / c2 are parked in this thread's own (row, col pair) words of dh (4-byte stores, fragment order)
+      // and read back by the same thread after loop D: keeping them in registers across loop D spills.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        const long long row = (long long)ti.row0 + r;
+#pragma unroll
+        for (int j0 = 0; j0 < 16; j0 += 4) {
+          uint32_t wa[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = j0 + jj;
+            float v1[2], v2[2], av[2];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              const float g = acc[4 * j + 2 * h + p];
+              const float u = acc[4 * (j + 16) + 2 * h + p];
+              const float sig = 1.0f / (1.0f + __expf(-g));
+              const float silu = g * sig;
+              v1[p] = u * (sig * (1.0f + g * (1.0f - sig)));
+              v2[p] = silu;
+              av[p] = silu * u;
+            }
+            const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
+            if (r < ti.rows && cf < F) {
+              *reinterpret_cast<uint32_t*>(dhp + row * 2 * F + cf) = pack2(v1[0], v1[1]);
+              *reinterpret_cast<uint32_t*>(dhp + row * 2 * F + F + cf) = pack2(v2[0], v2[1]);
+            }
+            wa[jj] = pack2(av[0], av[1]);
+          }
+          const uint4 va = quad_xpose(wa[0], wa[1], wa[2], wa[3], lane);
+          const int c = ti.nt * 128 + 8 * (j0 + (lane & 3));
+          if (r < ti.rows && c < F) *reinterpret_cast<uint4*>(actp + row * F + c) = va;
+        }
+      }
+      for (int kb = 0; kb < nkD; ++kb) {
+        mbar_wait(B, &sm.full[st], ph, q, 4);
+        const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
+        const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+        const uint64_t da = make_smem_desc_sw128(a_s);
+        const uint64_t db = make_smem_desc_sw128(b_s);
+        fence_acc64(acc);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_64x128x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();
+        fence_acc64(acc);
+        if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+        prev = st;
+        if (++st == kStages) { st = 0; ph ^= 1u; }
+      }
+      cute::warpgroup_wait<0>();
+      fence_acc64(acc);
+      if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+      // acc[0..63] = dA, cols 8j + 2(lane%4) + {0,1} (j < 16) = col nt*128 + 8j..
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        const long long row = (long long)ti.row0 + r;
+#pragma unroll
+        for (int j0 = 0; j0 < 16; j0 += 4) {
+          uint32_t wg[4], wu[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = j0 + jj;
+            const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
+            uint32_t w1v = 0u, w2v = 0u;
+            if (r < ti.rows && cf < F) {
+              w1v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + cf);
+              w2v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + F + cf);
+            }
+            const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w1v));
+            const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2v));
+            const float d0 = acc[4 * j + 2 * h], d1 = acc[4 * j + 2 * h + 1];
+            wg[jj] = pack2(d0 * f1.x, d1 * f1.y);
+            wu[jj] = pack2(d0 * f2.x, d1 * f2.y);
+          }
+          const uint4 vg = quad_xpose(wg[0], wg[1], wg[2], wg[3], lane);
+          const uint4 vu = quad_xpose(wu[0], wu[1], wu[2], wu[3], lane);
+          const int c = ti.nt * 128 + 8 * (j0 + (lane & 3));
+          if (r < ti.rows && c < F) {
+            *reinterpret_cast<uint4*>(dhp + row * 2 * F + c) = vg;
+            *reinterpret_cast<uint4*>(dhp + row * 2 * F + F + c) = vu;
+          }
+        }
+      }
+      fence_proxy_async_global();  // dh is read next by TMA (stage-2 tiles, maybe other SMs)
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) {
+        __threadfence();
+        red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        __nv_bfloat16* dst = nullptr;
+        if (r < ti.rows) {
+          const int2 src = B.layout[(long long)q * B.layout_cap + ti.row0 + r];
+          dst = P.br[src.x].grad_buf + (long long)src.y * H;  // push: home rank's grad_buf[t, k, :]
+        }
+#pragma unroll
+        for (int j0 = 0; j0 < 32; j0 += 4) {
+          const uint4 v = quad_xpose(pack2(acc[4 * j0 + 2 * h], acc[4 * j0 + 2 * h + 1]),
+                                     pack2(acc[4 * (j0 + 1) + 2 * h], acc[4 * (j0 + 1) + 2 * h + 1]),
+                                     pack2(acc[4 * (j0 + 2) + 2 * h], acc[4 * (j0 + 2) + 2 * h + 1]),
+                                     pack2(acc[4 * (j0 + 3) + 2 * h], acc[4 * (j0 + 3) + 2 * h + 1]), lane);
+          const int c = ti.nt * kBN + 8 * (j0 + (lane & 3));
+          if (dst != nullptr && c < H) *reinterpret_cast<uint4*>(dst + c) = v;
+        }
+      }
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) {
+        __threadfence();
+        red_release_gpu_add(c_mb_done(P, q, ti.mb), 1u);
+      }
+    }
+  }
+}
+
+// Returns true for the consumer threads (they go on to the grad_x reduce).
+__device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
+  const BSmem sm = bwd_carve(smem);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&sm.full[s], 1);
+      Barrier::init(&sm.empty[s], 2);
+    }
+    for (int i = 0; i < 2; ++i) {
+      Barrier::init(&sm.info_full[i], 1);
+      Barrier::init(&sm.info_empty[i], 2);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  for (int e = threadIdx.x; e <= P.base.L; e += blockDim.x) sm.off[e] = P.base.expert_off[q * (P.base.L + 1) + e];
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<56>();
+    if (threadIdx.x == 0) bwd_producer(P, q, sm);
+    return false;
+  } else {
+    setmaxnreg_inc<224>();
+    bwd_consumer(P, q, sm, wg - 1);
+    named_bar_sync(1, 256);
+    if (threadIdx.x == 128) {
+      __threadfence();
+      red_release_gpu_add(c_compute_done(P), 1u);
+    }
+    return true;
+  }
+}
+
+}  // namespace bwd
+}  // namespace mok

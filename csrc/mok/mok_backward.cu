@@ -1,0 +1,374 @@
+// MoK backward megakernel (BF16, emulated EP): schedule -> pull reverse-combine (x and w*grad_out rows)
+// -> dgrad (stage 1: fc1 recompute + fc2 dgrad + SwiGLU backward -> dH, act; stage 2: dX = dH @ W1)
+// -> push reverse-dispatch into the home ranks' grad_buf -> grad_x = sum_k grad_buf, plus the fused
+// router-weight gradient, all in ONE persistent cooperative launch. The expert weight gradients are a
+// separate step (host wrapper, megatron_mok/kernel/backward.py) on the layout-order buffers
+// xl / gyl / dh / act that this kernel writes.
+//
+// Grid: R virtual ranks x ctas_per_rank CTAs (1 CTA/SM, 384 threads), first comm_sms CTAs of each
+// rank = comm role (pull, router grad), the rest = compute role (bwd_gemm.cuh); at the end every
+// CTA of rank q helps with grad_x of rank q's tokens.
+//
+// Host API (extern "C", ctypes): mok_bwd_workspace_bytes, mok_bwd_emulated_launch, mok_bwd_version.
+#include "backward/bwd_comm.cuh"
+#include "backward/bwd_common.cuh"
+#include "backward/bwd_gemm.cuh"
+#include "schedule.cuh"
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace mok {
+namespace bwd {
+
+__global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_constant__ BwdParams P) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_flag;
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const Params& B = P.base;
+
+  // ---- schedule (all CTAs): the forward's layout, recomputed from the routing ----
+  schedule_count(B);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)
+  if (!grid_barrier(B, 1, &s_flag)) return;
+  schedule_scan(B);
+  if (!grid_barrier(B, 2, &s_flag)) return;
+  schedule_place(B, reinterpret_cast<int*>(smem));
+  if (!grid_barrier(B, 3, &s_flag)) return;
+
+  const int q = blockIdx.x / B.ctas_per_rank;
+  const int local = blockIdx.x % B.ctas_per_rank;
+  const int n_comp = B.ctas_per_rank - B.comm_sms;
+  const int warp = threadIdx.x >> 5;
+  const int nworkers = B.comm_sms * kWarps + n_comp * 8;
+  const unsigned all_compute = (unsigned)(B.R * n_comp);
+  if (local < B.comm_sms) {
+    if (!bwd_pull_role(P, q, local, &s_flag)) return;
+    bwd_router_grad(P, q, local * kWarps + warp, B.comm_sms * kWarps);
+    if (threadIdx.x == 0)
+      s_flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    __syncthreads();
+    if (!s_flag) return;
+    bwd_grad_x_reduce(P, q, local * kWarps + warp, nworkers);
+  } else {
+    if (!bwd_compute_role(P, q, smem)) return;  // producer warpgroup leaves here
+    int* flag = reinterpret_cast<int*>(smem);
+    if (threadIdx.x == 128)
+      *flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    named_bar_sync(1, 256);
+    if (!*flag) return;
+    bwd_grad_x_reduce(P, q, B.comm_sms * kWarps + (local - B.comm_sms) * 8 + (warp - 4), nworkers);
+  }
+}
+
+}  // namespace bwd
+}  // namespace mok
+
+// =================================================================================================
+// Host API
+// =================================================================================================
+extern "C" {
+
+struct MokBwdArgs {
+  int R, L, H, F, K;
+  int comm_sms, ring_slots, minibatch;
+  int ctas_per_rank;
+  int stall_rank, stall_slot;
+  int device;
+  double timeout_ms;
+  long long cap;                      // rows of each rank's layout-order buffers
+  const long long* T;                 // host [R]
+  const unsigned long long* x;        // host [R] device ptrs
+  const unsigned long long* idx;
+  const unsigned long long* w;
+  const unsigned long long* grad_out;
+  const unsigned long long* combine;
+  const unsigned long long* grad_buf;
+  const unsigned long long* grad_x;
+  const unsigned long long* grad_w;
+  const unsigned long long* tpe;
+  const unsigned long long* xl;
+  const unsigned long long* gyl;
+  const unsigned long long* dh;
+  const unsigned long long* act;
+  const unsigned long long* w1;       // host [R*L] [2F, H] row stride w1_ld
+  const long long* w1_ld;
+  const unsigned long long* w2t;      // host [R*L] [F, H] contiguous (W2^T)
+  const unsigned long long* w1t;      // host [R*L] [H, 2F] contiguous (W1^T)
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;             // device int32[8]
+};
+
+}  // extern "C"
+
+namespace {
+
+struct BwdWs {
+  size_t tmaps, ranks, branks, layout, local_rank, expert_total, expert_off, zero_begin, counters, chunk_counts,
+      zero_end, total;
+  int num_chunks, total_entries, mt_max, mb_cap, E;
+};
+
+size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+int write_err(char* buf, int len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
+int write_err(char* buf, int len, const char* fmt, ...) {
+  if (buf && len > 0) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, (size_t)len, fmt, ap);
+    va_end(ap);
+  }
+  return 1;
+}
+
+bool validate(const MokBwdArgs* a, char* eb, int el) {
+  if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
+  if ((long long)a->R * a->L > MOK_MAX_EXPERTS) return !write_err(eb, el, "E=R*L exceeds %d", MOK_MAX_EXPERTS);
+  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
+  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
+  if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
+  if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS) return !write_err(eb, el, "ring_slots=%d", a->ring_slots);
+  if (a->minibatch < 1 || a->minibatch > (1 << 20)) return !write_err(eb, el, "minibatch=%d", a->minibatch);
+  if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
+  long long entries = 0;
+  for (int r = 0; r < a->R; ++r) {
+    if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
+    entries += a->T[r] * a->K;
+  }
+  if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
+  if (a->cap < std::max<long long>(entries, 1)) return !write_err(eb, el, "cap=%lld < entries %lld", a->cap, entries);
+  return true;
+}
+
+BwdWs plan(const MokBwdArgs* a) {
+  BwdWs w{};
+  w.E = a->R * a->L;
+  long long entries = 0;
+  int chunks = 0;
+  for (int r = 0; r < a->R; ++r) {
+    entries += a->T[r] * a->K;
+    chunks += (int)((a->T[r] + mok::kChunkTokens - 1) / mok::kChunkTokens);
+  }
+  w.total_entries = (int)entries;
+  w.num_chunks = chunks;
+  w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
+  w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
+  w.tmaps = take((size_t)(4 * w.E + 3 * a->R) * sizeof(CUtensorMap));
+  w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
+  w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
+  w.layout = take((size_t)a->R * (size_t)a->cap * sizeof(int2));
+  w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
+  w.expert_total = take((size_t)w.E * 4);
+  w.expert_off = take((size_t)a->R * (a->L + 1) * 4);
+  w.zero_begin = off;
+  w.counters = take((size_t)mok::bwd::bwd_ctr_count(a->R, w.mb_cap, w.mt_max) * 4);
+  w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
+  w.zero_end = off;
+  w.total = off;
+  return w;
+}
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn get_encode_fn() {
+  static EncodeTiledFn fn = nullptr;
+  if (!fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiledFn>(p);
+  }
+  return fn;
+}
+
+bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
+               unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el, const char* what) {
+  EncodeTiledFn fn = get_encode_fn();
+  if (!fn) return !write_err(eb, el, "cuTensorMapEncodeTiled entry point not available");
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return !write_err(eb, el, "%s: base pointer not 16-byte aligned", what);
+  if ((ld * 2) % 16 != 0) return !write_err(eb, el, "%s: row stride %llu not a multiple of 8", what, ld);
+  cuuint64_t dims[2] = {inner, outer > 0 ? outer : 1};
+  cuuint64_t strides[1] = {ld * 2};
+  cuuint32_t box[2] = {box_inner, box_outer};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return !write_err(eb, el, "%s: cuTensorMapEncodeTiled failed (%d)", what, (int)r);
+  return true;
+}
+
+#define MOK_CUDA_CHECK(call)                                                                       \
+  do {                                                                                             \
+    cudaError_t e_ = (call);                                                                       \
+    if (e_ != cudaSuccess)                                                                         \
+      return write_err(errbuf, errlen, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_),     \
+                       __FILE__, __LINE__);                                                        \
+  } while (0)
+
+}  // namespace
+
+extern "C" {
+
+const char* mok_bwd_version() { return "mok-backward-bf16-wgmma-1"; }
+
+long long mok_bwd_workspace_bytes(const MokBwdArgs* a) {
+  if (!validate(a, nullptr, 0)) return -1;
+  return (long long)plan(a).total;
+}
+
+int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (!validate(a, errbuf, errlen)) return 1;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0, max_blocks = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const BwdWs ws = plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / a->R;
+  if (cpr < 2 || cpr - a->comm_sms < 1)
+    return write_err(errbuf, errlen, "R=%d ranks on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
+                     a->R, num_sms, cpr, a->comm_sms);
+  const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
+  static int cached_smem[64] = {0}, cached_blocks[64] = {0};
+  const int dslot = a->device & 63;
+  if (cached_smem[dslot] != smem) {
+    MOK_CUDA_CHECK(
+        cudaFuncSetAttribute(mok::bwd::mok_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[dslot], mok::bwd::mok_backward_kernel,
+                                                                 mok::kThreads, smem));
+    cached_smem[dslot] = smem;
+  }
+  max_blocks = cached_blocks[dslot];
+  if ((long long)a->R * cpr > (long long)max_blocks * num_sms)
+    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", a->R, cpr, num_sms,
+                     max_blocks);
+
+  uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
+  const size_t hbytes = ws.layout;  // tensor maps + rank tables
+  static uint8_t* pinned = nullptr;
+  static size_t pinned_cap = 0;
+  // one pinned staging buffer; the previous launch's copy must be done before it is reused
+  static cudaEvent_t staged = nullptr;
+  if (staged) MOK_CUDA_CHECK(cudaEventSynchronize(staged));
+  else MOK_CUDA_CHECK(cudaEventCreateWithFlags(&staged, cudaEventDisableTiming));
+  if (pinned_cap < hbytes) {
+    if (pinned) cudaFreeHost(pinned);
+    pinned = nullptr;
+    pinned_cap = 0;
+    MOK_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned), hbytes));
+    pinned_cap = hbytes;
+  }
+  uint8_t* host = pinned;
+  memset(host, 0, hbytes);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  const int L = a->L, H = a->H, F = a->F;
+  for (int g = 0; g < ws.E; ++g) {
+    const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
+    const __nv_bfloat16* w2t = reinterpret_cast<const __nv_bfloat16*>(a->w2t[g]);
+    const __nv_bfloat16* w1t = reinterpret_cast<const __nv_bfloat16*>(a->w1t[g]);
+    if (!encode_2d(&maps[4 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, 128, errbuf, errlen, "w1 gate")) return 1;
+    if (!encode_2d(&maps[4 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, 128, errbuf, errlen,
+                   "w1 up"))
+      return 1;
+    if (!encode_2d(&maps[4 * g + 2], w2t, H, F, H, mok::kBK, 128, errbuf, errlen, "w2^T")) return 1;
+    if (!encode_2d(&maps[4 * g + 3], w1t, 2 * F, H, 2 * F, mok::kBK, mok::kBN, errbuf, errlen, "w1^T")) return 1;
+  }
+  const unsigned long long cap = (unsigned long long)a->cap;
+  for (int q = 0; q < a->R; ++q) {
+    if (!encode_2d(&maps[4 * ws.E + 3 * q + 0], reinterpret_cast<void*>(a->xl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf,
+                   errlen, "xl"))
+      return 1;
+    if (!encode_2d(&maps[4 * ws.E + 3 * q + 1], reinterpret_cast<void*>(a->gyl[q]), H, cap, H, mok::kBK, mok::kBM,
+                   errbuf, errlen, "gyl"))
+      return 1;
+    if (!encode_2d(&maps[4 * ws.E + 3 * q + 2], reinterpret_cast<void*>(a->dh[q]), 2 * F, cap, 2 * F, mok::kBK,
+                   mok::kBM, errbuf, errlen, "dh"))
+      return 1;
+  }
+  mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
+  mok::bwd::BwdRank* br = reinterpret_cast<mok::bwd::BwdRank*>(host + ws.branks);
+  long long entry_base = 0;
+  int chunk_base = 0;
+  for (int r = 0; r < a->R; ++r) {
+    rt[r].x = reinterpret_cast<const __nv_bfloat16*>(a->x[r]);
+    rt[r].idx = reinterpret_cast<const int*>(a->idx[r]);
+    rt[r].w = reinterpret_cast<const float*>(a->w[r]);
+    rt[r].out = reinterpret_cast<__nv_bfloat16*>(a->grad_x[r]);
+    rt[r].combine = reinterpret_cast<__nv_bfloat16*>(a->grad_buf[r]);  // schedule zeroes its idx==-1 rows
+    rt[r].tokens_per_expert = reinterpret_cast<int*>(a->tpe[r]);
+    rt[r].T = (int)a->T[r];
+    rt[r].entry_base = (int)entry_base;
+    rt[r].chunk_base = chunk_base;
+    entry_base += a->T[r] * a->K;
+    chunk_base += (int)((a->T[r] + mok::kChunkTokens - 1) / mok::kChunkTokens);
+    br[r].grad_out = reinterpret_cast<const __nv_bfloat16*>(a->grad_out[r]);
+    br[r].combine = reinterpret_cast<const __nv_bfloat16*>(a->combine[r]);
+    br[r].grad_buf = reinterpret_cast<__nv_bfloat16*>(a->grad_buf[r]);
+    br[r].grad_x = reinterpret_cast<__nv_bfloat16*>(a->grad_x[r]);
+    br[r].grad_w = reinterpret_cast<float*>(a->grad_w[r]);
+    br[r].xl = reinterpret_cast<__nv_bfloat16*>(a->xl[r]);
+    br[r].gyl = reinterpret_cast<__nv_bfloat16*>(a->gyl[r]);
+    br[r].dh = reinterpret_cast<__nv_bfloat16*>(a->dh[r]);
+    br[r].act = reinterpret_cast<__nv_bfloat16*>(a->act[r]);
+  }
+
+  mok::bwd::BwdParams P{};
+  mok::Params& B = P.base;
+  B.R = a->R; B.L = L; B.E = ws.E; B.H = H; B.F = F; B.K = a->K;
+  B.comm_sms = a->comm_sms; B.ctas_per_rank = cpr; B.ring_slots = a->ring_slots; B.minibatch = a->minibatch;
+  B.mt_max = ws.mt_max;
+  B.mb_cap = ws.mb_cap;
+  B.num_chunks = ws.num_chunks; B.total_entries = ws.total_entries;
+  B.stall_rank = a->stall_rank; B.stall_slot = a->stall_slot;
+  B.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  B.layout_cap = a->cap;
+  B.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);
+  B.layout = reinterpret_cast<int2*>(wsp + ws.layout);
+  B.local_rank = reinterpret_cast<int*>(wsp + ws.local_rank);
+  B.chunk_counts = reinterpret_cast<int*>(wsp + ws.chunk_counts);
+  B.expert_total = reinterpret_cast<int*>(wsp + ws.expert_total);
+  B.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
+  B.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
+  B.err = reinterpret_cast<int*>(a->err);
+  P.br = reinterpret_cast<const mok::bwd::BwdRank*>(wsp + ws.branks);
+  P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
+  P.ctr = B.counters;
+  P.nt1 = (F + 127) / 128;
+  P.nt2 = (H + mok::kBN - 1) / mok::kBN;
+  P.t1 = ws.mt_max * P.nt1;
+  P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);
+
+  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, hbytes, cudaMemcpyHostToDevice, stream));
+  MOK_CUDA_CHECK(cudaEventRecord(staged, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(a->R * cpr));
+  cfg.blockDim = dim3(mok::kThreads);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::bwd::mok_backward_kernel, P));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,500 @@
+"""MoK backward megakernel (BF16, Hopper sm_90a): build, ctypes binding and the emulated-EP entry point.
+
+What runs where (see scripts/NOTES-backward.md):
+
+* ONE persistent cooperative kernel launch (``csrc/mok/mok_backward.cu``) does, for R emulated ranks:
+  the schedule (the forward's layout, recomputed from the routing), the pull reverse-combine
+  (x rows and ``w * grad_out`` rows pulled from the home ranks into layout order), the dgrad GEMMs
+  (stage 1: fc1 recompute + fc2 dgrad + SwiGLU backward -> dH, act; stage 2: dX = dH @ W1) with WGMMA
+  + TMA, the push reverse-dispatch of dX rows into the home ranks' ``grad_buf[t, k]``, the top-k sum
+  ``grad_x[t] = sum_k grad_buf[t, k]`` and (fused) the router-weight gradient
+  ``grad_w[t, k] = <grad_out[t], combine_buf[t, k]>``.
+* The expert weight gradients run right after, as separate launches on the layout-order buffers the
+  kernel leaves (``gy``, ``act``, ``dH``, ``x``): ``wgrad="mm"`` (default) one cuBLAS
+  ``torch.mm(..., out_dtype=float32)`` per expert (fp32 accumulation AND fp32 output; one host sync for
+  the expert offsets), ``wgrad="grouped"`` one ``torch._grouped_mm`` per weight (no host sync, but its
+  output is bf16-rounded), ``wgrad="none"`` skips them.
+* W2^T [F, H] and W1^T [H, 2F] (K-major B operands of the dgrad GEMMs) are materialised once per call
+  (``.t().contiguous()``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import build as _build
+
+LIB_NAME = "libmok_backward"
+MAIN_SOURCE = "mok_backward.cu"
+MOK_MAX_RANKS = 72
+MOK_MAX_LOCAL_EXPERTS = 512
+MOK_MAX_SLOTS = 64
+
+_PHASES = {
+    1: "grid barrier (schedule)",
+    2: "pull-ready (dgrad stage 1 waits for the pulled x / grad_out rows of its minibatch)",
+    3: "slot-free (pull waits for the reverse-dispatch of the slot's previous minibatch)",
+    4: "stage-1-done (dX tile waits for dH of its row block)",
+    5: "compute-done (grad_x sum waits for all ranks' reverse-dispatch pushes)",
+    6: "internal smem pipeline",
+    7: "schedule",
+}
+
+
+class MokKernelError(RuntimeError):
+    """The backward kernel reported an error (timeout, invalid input) or could not be launched."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# build
+# ---------------------------------------------------------------------------------------------------
+def _sources(src: Path) -> list[Path]:
+    return sorted(src.glob("*.cu*")) + sorted((src / "backward").glob("*.cu*"))
+
+
+def _check_tools() -> tuple[str, Path, Path]:
+    nvcc = _build.find_nvcc()
+    if nvcc is None:
+        raise _build.BuildError("nvcc not found (set MOK_NVCC or CUDA_HOME)")
+    inc = _build.cutlass_include()
+    if inc is None:
+        raise _build.BuildError("CUTLASS/CuTe headers not found: pip install --no-deps nvidia-cutlass==4.2.0.0")
+    src = _build.source_dir()
+    if not (src / MAIN_SOURCE).is_file() or not (src / "backward").is_dir():
+        raise _build.BuildError(f"MoK backward sources not found under {src}")
+    return nvcc, inc, src
+
+
+def compile_only(output: Path | None = None, verbose: bool = False) -> Path:
+    """Compile the backward kernel for sm_90a into a cubin (no GPU needed). Returns the cubin path."""
+    nvcc, inc, src = _check_tools()
+    out = Path(output) if output else Path(tempfile.mkdtemp(prefix="mok_bwd_cc_")) / f"{LIB_NAME}.cubin"
+    cmd = [nvcc, *_build.nvcc_flags(inc, src), "-cubin", "-Xptxas", "-v", "-o", str(out), str(src / MAIN_SOURCE)]
+    _build._run(cmd, verbose)
+    return out
+
+
+def build_library(verbose: bool = False, force: bool = False) -> Path:
+    nvcc, inc, src = _check_tools()
+    flags = _build.nvcc_flags(inc, src) + ["-shared", "-Xptxas", "-v"]
+    h = hashlib.sha256()
+    for f in _sources(src):
+        h.update(str(f.relative_to(src)).encode())
+        h.update(f.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(_build._nvcc_version(nvcc).encode())
+    key = h.hexdigest()[:20]
+    out_dir = _build.cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"{LIB_NAME}-{key}.so"
+    if lib.exists() and not force:
+        return lib
+    tmp = out_dir / f".{LIB_NAME}-{key}-{os.getpid()}.so"
+    cmd = [nvcc, *flags, "-o", str(tmp), str(src / MAIN_SOURCE)]
+    log = _build._run(cmd, verbose)
+    (out_dir / f"{LIB_NAME}-{key}.log").write_text(" ".join(cmd) + "\n" + log)
+    os.replace(tmp, lib)
+    return lib
+
+
+# ---------------------------------------------------------------------------------------------------
+# ctypes binding
+# ---------------------------------------------------------------------------------------------------
+class _Args(ctypes.Structure):
+    _fields_ = [
+        ("R", ctypes.c_int),
+        ("L", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("F", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("comm_sms", ctypes.c_int),
+        ("ring_slots", ctypes.c_int),
+        ("minibatch", ctypes.c_int),
+        ("ctas_per_rank", ctypes.c_int),
+        ("stall_rank", ctypes.c_int),
+        ("stall_slot", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("timeout_ms", ctypes.c_double),
+        ("cap", ctypes.c_longlong),
+        ("T", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("idx", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("grad_out", ctypes.c_void_p),
+        ("combine", ctypes.c_void_p),
+        ("grad_buf", ctypes.c_void_p),
+        ("grad_x", ctypes.c_void_p),
+        ("grad_w", ctypes.c_void_p),
+        ("tpe", ctypes.c_void_p),
+        ("xl", ctypes.c_void_p),
+        ("gyl", ctypes.c_void_p),
+        ("dh", ctypes.c_void_p),
+        ("act", ctypes.c_void_p),
+        ("w1", ctypes.c_void_p),
+        ("w1_ld", ctypes.c_void_p),
+        ("w2t", ctypes.c_void_p),
+        ("w1t", ctypes.c_void_p),
+        ("workspace", ctypes.c_ulonglong),
+        ("workspace_bytes", ctypes.c_ulonglong),
+        ("err", ctypes.c_ulonglong),
+    ]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_ws_cache: dict[int, torch.Tensor] = {}
+_err_cache: dict[int, torch.Tensor] = {}
+_avail: bool | None = None
+_reason = "not checked yet"
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        lib = ctypes.CDLL(str(path or build_library()))
+        lib.mok_bwd_workspace_bytes.restype = ctypes.c_longlong
+        lib.mok_bwd_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
+        lib.mok_bwd_emulated_launch.restype = ctypes.c_int
+        lib.mok_bwd_emulated_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        lib.mok_bwd_version.restype = ctypes.c_char_p
+        _lib = lib
+        return lib
+
+
+def _probe() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        cc = torch.cuda.get_device_capability()
+    except Exception as exc:
+        return False, f"cannot query the CUDA device: {exc}"
+    if cc != (9, 0):
+        return False, f"the MoK backward kernel needs an sm_90 (Hopper) GPU, found sm_{cc[0]}{cc[1]}"
+    try:
+        load_library()
+    except Exception as exc:
+        return False, f"building/loading the MoK backward library failed: {exc}"
+    return True, "available"
+
+
+def is_available() -> bool:
+    global _avail, _reason
+    if _avail is None:
+        try:
+            _avail, _reason = _probe()
+        except Exception as exc:  # never raise
+            _avail, _reason = False, f"unexpected error: {exc}"
+    return _avail
+
+
+def unavailable_reason() -> str:
+    is_available()
+    return "" if _avail else _reason
+
+
+# ---------------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------------
+def _fail(msg: str) -> None:
+    raise ValueError(f"mok_backward_emulated: {msg}")
+
+
+def _check(t, name, dtype, shape, device, contiguous=True):
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device}, expected {device}")
+    if contiguous and not t.is_contiguous():
+        _fail(f"{name} must be contiguous")
+
+
+def _u64(vals):
+    return (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
+
+
+def _i64(vals):
+    return (ctypes.c_longlong * max(1, len(vals)))(*vals)
+
+
+def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
+    code, rank, slot, phase, expected, seen, extra, block = err[:8]
+    pname = _PHASES.get(phase, f"phase {phase}")
+    if code == 1:
+        return (
+            f"MoK backward kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= "
+            f"{expected}, saw {seen} after {timeout_ms:g} ms (CTA {block})"
+        )
+    if code == 2:
+        return (
+            f"MoK backward kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
+            f"[0, {R * L})"
+        )
+    return f"MoK backward kernel internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
+
+
+def check_last_error(device=None, *, R: int = 0, L: int = 0, timeout_ms: float = 0.0) -> None:
+    """Synchronize the current stream; raise MokKernelError if the last backward launch recorded an error."""
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    err = _err_cache.get(dev)
+    if err is None:
+        return
+    torch.cuda.current_stream(device).synchronize()
+    vals = err.cpu().tolist()
+    if vals[0] != 0:
+        raise MokKernelError(_error_message(vals, R, L, timeout_ms))
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with bf16 operands, fp32 accumulation and fp32 output."""
+    try:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):  # older torch: no mm.dtype overload
+        return a.float() @ b.float()
+
+
+def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, main_grad_w2=None):
+    """Expert weight gradients of one owner rank from the kernel's layout-order buffers.
+
+    dW2_e = gy_e^T @ act_e [H, F], dW1_e = dH_e^T @ x_e [2F, H] (fp32). With main_grad_* (lists of
+    fp32 tensors) the results are added into them and those are returned.
+    """
+    L = tpe.numel()
+    H, F = gyl.shape[1], act.shape[1]
+    dev = gyl.device
+    if mode == "grouped":
+        offs = torch.cumsum(tpe, 0, dtype=torch.int32)
+        nonempty = (tpe > 0).view(L, 1, 1)
+        g2 = torch._grouped_mm(gyl.t(), act, offs=offs)  # [L, H, F] (bf16 output)
+        g1 = torch._grouped_mm(dh.t(), xl, offs=offs)  # [L, 2F, H]
+        g2 = torch.where(nonempty, g2.float(), torch.zeros((), device=dev))
+        g1 = torch.where(nonempty, g1.float(), torch.zeros((), device=dev))
+        gw2, gw1 = list(g2.unbind(0)), list(g1.unbind(0))
+    elif mode == "mm":
+        counts = tpe.tolist()  # one host sync per call
+        gw1, gw2 = [], []
+        a = 0
+        for e in range(L):
+            b = a + counts[e]
+            if b > a:
+                gw2.append(_mm_fp32(gyl[a:b].t(), act[a:b]))
+                gw1.append(_mm_fp32(dh[a:b].t(), xl[a:b]))
+            else:
+                gw2.append(torch.zeros((H, F), dtype=torch.float32, device=dev))
+                gw1.append(torch.zeros((2 * F, H), dtype=torch.float32, device=dev))
+            a = b
+    else:
+        raise ValueError(f"wgrad mode must be 'mm', 'grouped' or 'none', got {mode!r}")
+    if main_grad_w1 is not None:
+        for m, g in zip(main_grad_w1, gw1):
+            m.add_(g)
+        gw1 = list(main_grad_w1)
+    if main_grad_w2 is not None:
+        for m, g in zip(main_grad_w2, gw2):
+            m.add_(g)
+        gw2 = list(main_grad_w2)
+    return gw1, gw2
+
+
+def mok_backward_emulated(
+    grad_out,
+    x,
+    topk_idx,
+    topk_weight,
+    combine_buf,
+    w1,
+    w2,
+    *,
+    comm_sms: int,
+    ring_slots: int,
+    minibatch_tokens: int,
+    timeout_ms: float = 10000.0,
+    wgrad: str = "mm",
+    main_grad_w1=None,
+    main_grad_w2=None,
+    debug_stall: tuple[int, int] | None = None,
+    ctas_per_rank: int = 0,
+    check: bool = True,
+    return_buffers: bool = False,
+):
+    """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
+
+    grad_out[r] [T_r, H] bf16, x[r] [T_r, H] bf16, topk_idx[r] [T_r, K] int32, topk_weight[r] [T_r, K] fp32,
+    combine_buf[r] [T_r, K, H] bf16 (the forward's unweighted expert outputs), w1[q][e] [2F, H] bf16,
+    w2[q][e] [H, F] bf16. Returns (grad_x[r] bf16, grad_topk_weight[r] fp32 [T_r, K], grad_w1[q][e] fp32,
+    grad_w2[q][e] fp32); wgrad="none" returns None for the weight gradients.
+    """
+    if not isinstance(x, (list, tuple)) or not x:
+        _fail("x must be a non-empty list of per-rank tensors")
+    R = len(x)
+    if R > MOK_MAX_RANKS:
+        _fail(f"at most {MOK_MAX_RANKS} ranks, got {R}")
+    for name, lst in (
+        ("grad_out", grad_out),
+        ("topk_idx", topk_idx),
+        ("topk_weight", topk_weight),
+        ("combine_buf", combine_buf),
+        ("w1", w1),
+        ("w2", w2),
+    ):
+        if not isinstance(lst, (list, tuple)) or len(lst) != R:
+            _fail(f"{name} must be a list of {R} entries (one per rank)")
+    device = x[0].device
+    if device.type != "cuda":
+        _fail("x[0] must be a CUDA tensor")
+    if not isinstance(w1[0], (list, tuple)) or not w1[0]:
+        _fail("w1[q] must be a non-empty list of per-expert weights")
+    L = len(w1[0])
+    if L > MOK_MAX_LOCAL_EXPERTS:
+        _fail(f"at most {MOK_MAX_LOCAL_EXPERTS} local experts, got {L}")
+    if not isinstance(w2[0], (list, tuple)) or len(w2[0]) != L or not isinstance(w2[0][0], torch.Tensor):
+        _fail("w2[q] must be a list of L expert weights")
+    H, F = w2[0][0].shape
+    if H % 64 or F % 64 or H == 0 or F == 0:
+        _fail(f"hidden ({H}) and ffn ({F}) sizes must be positive multiples of 64")
+    K = topk_idx[0].shape[1] if topk_idx[0].dim() == 2 else -1
+    if not 1 <= K <= 64:
+        _fail(f"top-k must be in [1, 64], got {K}")
+    Ts = []
+    for r in range(R):
+        T = x[r].shape[0] if x[r].dim() == 2 else -1
+        _check(x[r], f"x[{r}]", torch.bfloat16, (T, H), device)
+        _check(grad_out[r], f"grad_out[{r}]", torch.bfloat16, (T, H), device)
+        _check(topk_idx[r], f"topk_idx[{r}]", torch.int32, (T, K), device)
+        _check(topk_weight[r], f"topk_weight[{r}]", torch.float32, (T, K), device)
+        _check(combine_buf[r], f"combine_buf[{r}]", torch.bfloat16, (T, K, H), device)
+        Ts.append(T)
+    for q in range(R):
+        if (
+            not isinstance(w1[q], (list, tuple))
+            or len(w1[q]) != L
+            or not isinstance(w2[q], (list, tuple))
+            or len(w2[q]) != L
+        ):
+            _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
+        for e in range(L):
+            _check(w1[q][e], f"w1[{q}][{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False)
+            _check(w2[q][e], f"w2[{q}][{e}]", torch.bfloat16, (H, F), device, contiguous=False)
+            a = w1[q][e]
+            if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+                _fail(f"w1[{q}][{e}] needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
+    if not isinstance(comm_sms, int) or comm_sms < 1:
+        _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
+        _fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
+    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
+        _fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}")
+    if not timeout_ms > 0:
+        _fail(f"timeout_ms must be > 0, got {timeout_ms!r}")
+    if wgrad not in ("mm", "grouped", "none"):
+        _fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}")
+    if debug_stall is not None and not (0 <= debug_stall[0] < R and 0 <= debug_stall[1] < ring_slots):
+        _fail(f"debug_stall {debug_stall} out of range")
+
+    lib = load_library()
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cpr = ctas_per_rank or num_sms // R
+    if comm_sms >= cpr:
+        _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {num_sms} SMs give {cpr} SMs per rank")
+
+    # K-major B operands of the dgrad GEMMs (materialised once per call)
+    w2t = [[w2[q][e].t().contiguous() for e in range(L)] for q in range(R)]
+    w1t = [[w1[q][e].t().contiguous() for e in range(L)] for q in range(R)]
+
+    cap = max(1, sum(Ts) * K)  # rows per owner rank's layout-order buffers (upper bound, no host sync)
+    bf = dict(dtype=torch.bfloat16, device=device)
+    grad_x = [torch.empty((T, H), **bf) for T in Ts]
+    grad_w = [torch.empty((T, K), dtype=torch.float32, device=device) for T in Ts]
+    grad_buf = [torch.empty((T, K, H), **bf) for T in Ts]
+    tpe = [torch.empty((L,), dtype=torch.int32, device=device) for _ in range(R)]
+    xl = [torch.empty((cap, H), **bf) for _ in range(R)]
+    gyl = [torch.empty((cap, H), **bf) for _ in range(R)]
+    dh = [torch.empty((cap, 2 * F), **bf) for _ in range(R)]
+    act = [torch.empty((cap, F), **bf) for _ in range(R)]
+
+    keep = []
+
+    def arr(vals, kind=_u64):
+        a = kind(vals)
+        keep.append(a)
+        return ctypes.cast(a, ctypes.c_void_p)
+
+    ptrs = lambda ts: arr([t.data_ptr() for t in ts])  # noqa: E731
+    args = _Args()
+    args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
+    args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
+    args.ctas_per_rank = cpr
+    args.stall_rank, args.stall_slot = debug_stall if debug_stall is not None else (-1, -1)
+    args.device = dev
+    args.timeout_ms = float(timeout_ms)
+    args.cap = cap
+    args.T = arr(Ts, _i64)
+    args.x, args.idx, args.w = ptrs(x), ptrs(topk_idx), ptrs(topk_weight)
+    args.grad_out, args.combine, args.grad_buf = ptrs(grad_out), ptrs(combine_buf), ptrs(grad_buf)
+    args.grad_x, args.grad_w, args.tpe = ptrs(grad_x), ptrs(grad_w), ptrs(tpe)
+    args.xl, args.gyl, args.dh, args.act = ptrs(xl), ptrs(gyl), ptrs(dh), ptrs(act)
+    args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
+    args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w1t = arr([w1t[q][e].data_ptr() for q in range(R) for e in range(L)])
+
+    nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
+    if nbytes < 0:
+        _fail("invalid sizes (rejected by the library)")
+    ws = _ws_cache.get(dev)
+    if ws is None or ws.numel() < nbytes:
+        _ws_cache.pop(dev, None)
+        ws = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
+        _ws_cache[dev] = ws
+    err = _err_cache.get(dev)
+    if err is None:
+        err = torch.zeros((16,), dtype=torch.int32, device=device)
+        _err_cache[dev] = err
+    args.workspace = ws.data_ptr()
+    args.workspace_bytes = ws.numel()
+    args.err = err.data_ptr()
+
+    stream = torch.cuda.current_stream(device)
+    ebuf = ctypes.create_string_buffer(1024)
+    rc = lib.mok_bwd_emulated_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
+    if rc != 0:
+        raise MokKernelError(f"MoK backward launch failed: {ebuf.value.decode(errors='replace')}")
+    # keep the transposed weights alive until the kernel has read them (stream-ordered free)
+    for t in [t for row in w2t + w1t for t in row]:
+        t.record_stream(stream)
+    if check:
+        check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
+
+    gw1 = gw2 = None
+    if wgrad != "none":
+        gw1, gw2 = [], []
+        for q in range(R):
+            a1, a2 = weight_grads(
+                tpe[q],
+                xl[q],
+                gyl[q],
+                dh[q],
+                act[q],
+                mode=wgrad,
+                main_grad_w1=None if main_grad_w1 is None else main_grad_w1[q],
+                main_grad_w2=None if main_grad_w2 is None else main_grad_w2[q],
+            )
+            gw1.append(a1)
+            gw2.append(a2)
+    if return_buffers:
+        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act, grad_buf=grad_buf)
+    return grad_x, grad_w, gw1, gw2

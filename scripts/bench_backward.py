@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""Benchmark the MoK backward megakernel against unfused torch and Megatron-Core baselines (Kimi-K2 slice).
+
+One process, same inputs for every method; CUDA events around one call, warmup, median of --iters.
+  MoK dgrad     : mok_backward_emulated(..., wgrad="none")   one kernel launch (+ W1^T / W2^T transposes)
+  MoK + grouped : wgrad="grouped" (two torch._grouped_mm after the kernel, no host sync, bf16 wgrad out)
+  MoK + mm      : wgrad="mm" (2 x L cuBLAS mm with fp32 output after the kernel, one host sync)
+  torch         : the reference backward math: permute + _grouped_mm (fc1 recompute, dA, dX, dW2, dW1)
+                  + SwiGLU backward + unpermute/top-k sum + router grad
+  mcore         : Megatron-Core MoEAlltoAllTokenDispatcher + SequentialMLP at EP=1, autograd backward
+                  (fc1 output saved by autograd, no recompute)
+FLOPs: model backward = 2 x forward = 12 * rows * H * F; MoK and torch also recompute fc1 (+4 * rows * H * F).
+
+  python scripts/bench_backward.py [--tokens 8192] [--comm-sms 8] [--minibatch 2560] [--no-mcore]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PEAK = 760.0
+
+
+def timeit(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times), min(times)
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(H, F, K, L, T, seed=0):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    x = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    scores = torch.rand((T, L), generator=g, device=dev)
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()
+    w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
+    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H**0.5).bfloat16()
+    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F**0.5).bfloat16()
+    go = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    return x, idx, w, w1, w2, go
+
+
+def permutation(idx, L):
+    K = idx.shape[1]
+    flat = idx.view(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=L), 0).to(torch.int32)
+    return order, order // K, offs
+
+
+def torch_combine_buf(x, idx, w1, w2, L, F):
+    """Forward's unweighted expert outputs combine_buf [T, K, H] (bf16), via torch._grouped_mm."""
+    T, H = x.shape
+    K = idx.shape[1]
+    order, tok, offs = permutation(idx, L)
+    h = torch._grouped_mm(x.index_select(0, tok), w1.transpose(1, 2), offs=offs)
+    a = (torch.nn.functional.silu(h[:, :F].float()) * h[:, F:].float()).bfloat16()
+    y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+    comb = torch.empty((T * K, H), dtype=torch.bfloat16, device=x.device)
+    comb[order] = y
+    return comb.view(T, K, H)
+
+
+def torch_backward(x, idx, w, go, comb, w1, w2, L, F):
+    T, H = x.shape
+    K = idx.shape[1]
+    order, tok, offs = permutation(idx, L)
+    xs = x.index_select(0, tok)
+    gy = (go.index_select(0, tok).float() * w.view(-1)[order].unsqueeze(1)).bfloat16()
+    h = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs)  # fc1 recompute [n, 2F]
+    da = torch._grouped_mm(gy, w2, offs=offs).float()  # gy @ W2_e   [n, F]
+    g, u = h[:, :F].float(), h[:, F:].float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dh = torch.cat([da * u * sig * (1 + g * (1 - sig)), da * silu], 1).bfloat16()
+    act = (silu * u).bfloat16()
+    dx = torch._grouped_mm(dh, w1, offs=offs)  # dH @ W1_e [n, H]
+    gb = torch.empty((T * K, H), dtype=torch.bfloat16, device=x.device)
+    gb[order] = dx
+    gx = gb.view(T, K, H).float().sum(1).bfloat16()
+    gw = torch.bmm(comb, go.unsqueeze(2)).squeeze(2).float()
+    dw2 = torch._grouped_mm(gy.t(), act, offs=offs)  # [L, H, F]
+    dw1 = torch._grouped_mm(dh.t(), xs, offs=offs)  # [L, 2F, H]
+    return gx, gw, dw1, dw2
+
+
+def mcore_setup(H, F, K, L):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29535")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=F, moe_ffn_hidden_size=F,
+        num_moe_experts=L, moe_router_topk=K, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        bf16=True, params_dtype=torch.bfloat16, add_bias_linear=False, moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=False, perform_initialization=False,
+    )
+    pgc = get_default_pg_collection()
+    experts = SequentialMLP(L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                            pg_collection=pgc).cuda().bfloat16()
+    disp = MoEAlltoAllTokenDispatcher(num_local_experts=L, local_expert_indices=list(range(L)), config=cfg,
+                                      pg_collection=pgc)
+    return experts, disp
+
+
+def mcore_forward(experts, disp, x, routing_map, probs):
+    hs, pp = disp.dispatch_preprocess(x, routing_map, probs)
+    hs, pp = disp.token_dispatch(hs, pp)
+    hs, tpe, pp = disp.dispatch_postprocess(hs, pp)
+    out, _ = experts(hs, tpe, pp)
+    out = disp.combine_preprocess(out)
+    out = disp.token_combine(out)
+    return disp.combine_postprocess(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--comm-sms", type=int, default=8)
+    ap.add_argument("--minibatch", type=int, default=2560)
+    ap.add_argument("--ring-slots", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true", help="also try comm_sms 4 / 16")
+    ap.add_argument("--no-mcore", action="store_true")
+    args = ap.parse_args()
+
+    from megatron_mok.kernel import backward as bk
+
+    H, F, K, L, T = 7168, 2048, 8, 8, args.tokens
+    rows = T * K
+    model_flops = 12.0 * rows * H * F
+    recompute = 4.0 * rows * H * F
+    dgrad_exec = 10.0 * rows * H * F  # dA + fc1 recompute + dX
+    tf = lambda fl, ms: fl / (ms * 1e-3) / 1e12  # noqa: E731
+    print(f"=== Kimi-K2 slice backward: H={H} F={F} top-{K} L={L} tokens={T} rows={rows} "
+          f"(model bwd {model_flops / 1e12:.2f} TFLOP, +fc1 recompute {recompute / 1e12:.2f}) ===", flush=True)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if not bk.is_available():
+        print(f"MoK backward kernel unavailable: {bk.unavailable_reason()}", flush=True)
+    x, idx, w, w1, w2, go = make_inputs(H, F, K, L, T)
+    comb = torch_combine_buf(x, idx, w1, w2, L, F)
+    w1l, w2l = [[w1[e] for e in range(L)]], [[w2[e] for e in range(L)]]
+
+    t_ref = torch_backward(x, idx, w, go, comb, w1, w2, L, F)
+    t_ms, t_mn = timeit(lambda: torch_backward(x, idx, w, go, comb, w1, w2, L, F), args.iters, args.warmup)
+    print(f"torch (_grouped_mm, recompute fc1): {t_ms:8.3f} ms (min {t_mn:.3f})  "
+          f"{tf(model_flops, t_ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, t_ms):6.1f} executed", flush=True)
+
+    best = None
+    configs = [args.comm_sms] + ([c for c in (4, 16) if c != args.comm_sms] if args.sweep else [])
+    if bk.is_available():
+        for comm in configs:
+            kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+            try:
+                gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, wgrad="mm", **kw)
+                errs = dict(grad_x=rel(gx[0], t_ref[0]), grad_w=rel(gw[0], t_ref[1]),
+                            grad_w1=rel(torch.stack(g1[0]), t_ref[2]), grad_w2=rel(torch.stack(g2[0]), t_ref[3]))
+                print(f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: rel err vs torch "
+                      + " ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+                for mode, label, fl in (("none", "dgrad kernel only", dgrad_exec), ("grouped", "+ grouped wgrad", None),
+                                        ("mm", "+ mm fp32 wgrad", None)):
+                    fn = lambda m=mode: bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l,  # noqa: E731
+                                                                 wgrad=m, check=False, **kw)
+                    ms, mn = timeit(fn, args.iters, args.warmup)
+                    bk.check_last_error()
+                    if fl is not None:
+                        extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                    else:
+                        extra = (f"{tf(model_flops, ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, ms):6.1f} "
+                                 f"executed ({tf(model_flops + recompute, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})")
+                        if best is None or ms < best[0]:
+                            best = (ms, comm, mode)
+                    print(f"MoK comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
+            except Exception as exc:
+                print(f"MoK comm_sms={comm}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                traceback.print_exc(limit=4)
+                if isinstance(exc, bk.MokKernelError):
+                    break
+
+    m_ms = None
+    if not args.no_mcore:
+        try:
+            experts, disp = mcore_setup(H, F, K, L)
+            with torch.no_grad():
+                for e in range(L):
+                    experts.local_experts[e].linear_fc1.weight.copy_(w1[e])
+                    experts.local_experts[e].linear_fc2.weight.copy_(w2[e])
+            routing_map = torch.zeros((T, L), dtype=torch.bool, device="cuda")
+            routing_map.scatter_(1, idx.long(), True)
+            probs0 = torch.zeros((T, L), dtype=torch.float32, device="cuda")
+            probs0.scatter_(1, idx.long(), w)
+            xi = x.clone().requires_grad_()
+            probs = probs0.clone().requires_grad_()
+            out = mcore_forward(experts, disp, xi, routing_map, probs)
+            m_ms, m_mn = timeit(lambda: out.backward(go, retain_graph=True), args.iters, args.warmup)
+            merr = rel(xi.grad / (args.iters + args.warmup), t_ref[0])
+            print(f"Megatron-Core alltoall + SequentialMLP backward (EP=1, autograd): {m_ms:8.3f} ms (min {m_mn:.3f}) "
+                  f"{tf(model_flops, m_ms):6.1f} model TFLOP/s  grad_x rel err vs torch {merr:.2e}", flush=True)
+        except Exception as exc:
+            print(f"Megatron-Core baseline unavailable: {type(exc).__name__}: {exc}", flush=True)
+            traceback.print_exc(limit=4)
+
+    if best:
+        line = (f"SUMMARY kimi backward: MoK {best[0]:.3f} ms (comm_sms={best[1]}, wgrad={best[2]}, "
+                f"{tf(model_flops, best[0]):.0f} model / {tf(model_flops + recompute, best[0]):.0f} executed TFLOP/s) | "
+                f"torch {t_ms:.3f} ms -> {t_ms / best[0]:.2f}x")
+        if m_ms:
+            line += f" | mcore {m_ms:.3f} ms -> {m_ms / best[0]:.2f}x"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
