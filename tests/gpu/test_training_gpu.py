@@ -23,7 +23,7 @@ def test_gpt_moe_bf16_training_with_kernel_matches_alltoall(tmp_path):
     import train_gpt_moe
 
     out = tmp_path / "curves"
-    steps = 40
+    steps = 200  # a few hundred optimizer steps of a real Megatron-Core GPT-MoE
     train_gpt_moe.main(
         [
             "--ep",
@@ -54,4 +54,6 @@ def test_gpt_moe_bf16_training_with_kernel_matches_alltoall(tmp_path):
     # slowly; they must stay close over the whole run
     gaps = [abs(x - y) for x, y in zip(a, m)]
     print("loss alltoall", [round(v, 4) for v in a[::5]], "mok", [round(v, 4) for v in m[::5]], "max gap", max(gaps))
-    assert max(gaps) < 0.05 * max(a[0], 1.0), f"loss curves diverge: max gap {max(gaps):.4f}"
+    assert max(gaps) < 0.1 * a[0], f"loss curves diverge: max gap {max(gaps):.4f}"
+    tail_a, tail_m = sum(a[-20:]) / 20, sum(m[-20:]) / 20
+    assert abs(tail_a - tail_m) < 0.05 * tail_a, f"final losses differ: alltoall {tail_a:.4f} vs mok {tail_m:.4f}"
