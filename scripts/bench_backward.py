@@ -123,16 +123,33 @@ def mcore_setup(H, F, K, L):
         dist.init_process_group("nccl", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=F, moe_ffn_hidden_size=F,
-        num_moe_experts=L, moe_router_topk=K, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        bf16=True, params_dtype=torch.bfloat16, add_bias_linear=False, moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=False, perform_initialization=False,
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=8,
+        ffn_hidden_size=F,
+        moe_ffn_hidden_size=F,
+        num_moe_experts=L,
+        moe_router_topk=K,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=False,
+        perform_initialization=False,
     )
     pgc = get_default_pg_collection()
-    experts = SequentialMLP(L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                            pg_collection=pgc).cuda().bfloat16()
-    disp = MoEAlltoAllTokenDispatcher(num_local_experts=L, local_expert_indices=list(range(L)), config=cfg,
-                                      pg_collection=pgc)
+    experts = (
+        SequentialMLP(
+            L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), pg_collection=pgc
+        )
+        .cuda()
+        .bfloat16()
+    )
+    disp = MoEAlltoAllTokenDispatcher(
+        num_local_experts=L, local_expert_indices=list(range(L)), config=cfg, pg_collection=pgc
+    )
     return experts, disp
 
 
@@ -166,8 +183,11 @@ def main():
     recompute = 4.0 * rows * H * F
     dgrad_exec = 10.0 * rows * H * F  # dA + fc1 recompute + dX
     tf = lambda fl, ms: fl / (ms * 1e-3) / 1e12  # noqa: E731
-    print(f"=== Kimi-K2 slice backward: H={H} F={F} top-{K} L={L} tokens={T} rows={rows} "
-          f"(model bwd {model_flops / 1e12:.2f} TFLOP, +fc1 recompute {recompute / 1e12:.2f}) ===", flush=True)
+    print(
+        f"=== Kimi-K2 slice backward: H={H} F={F} top-{K} L={L} tokens={T} rows={rows} "
+        f"(model bwd {model_flops / 1e12:.2f} TFLOP, +fc1 recompute {recompute / 1e12:.2f}) ===",
+        flush=True,
+    )
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if not bk.is_available():
         print(f"MoK backward kernel unavailable: {bk.unavailable_reason()}", flush=True)
@@ -177,8 +197,11 @@ def main():
 
     t_ref = torch_backward(x, idx, w, go, comb, w1, w2, L, F)
     t_ms, t_mn = timeit(lambda: torch_backward(x, idx, w, go, comb, w1, w2, L, F), args.iters, args.warmup)
-    print(f"torch (_grouped_mm, recompute fc1): {t_ms:8.3f} ms (min {t_mn:.3f})  "
-          f"{tf(model_flops, t_ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, t_ms):6.1f} executed", flush=True)
+    print(
+        f"torch (_grouped_mm, recompute fc1): {t_ms:8.3f} ms (min {t_mn:.3f})  "
+        f"{tf(model_flops, t_ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, t_ms):6.1f} executed",
+        flush=True,
+    )
 
     best = None
     configs = [args.comm_sms] + ([c for c in (4, 16) if c != args.comm_sms] if args.sweep else [])
@@ -187,21 +210,45 @@ def main():
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             try:
                 gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, wgrad="mm", **kw)
-                errs = dict(grad_x=rel(gx[0], t_ref[0]), grad_w=rel(gw[0], t_ref[1]),
-                            grad_w1=rel(torch.stack(g1[0]), t_ref[2]), grad_w2=rel(torch.stack(g2[0]), t_ref[3]))
-                print(f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: rel err vs torch "
-                      + " ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
-                for mode, label, fl in (("none", "dgrad kernel only", dgrad_exec), ("grouped", "+ grouped wgrad", None),
-                                        ("mm", "+ mm fp32 wgrad", None)):
-                    fn = lambda m=mode: bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l,  # noqa: E731
-                                                                 wgrad=m, check=False, **kw)
+                errs = dict(
+                    grad_x=rel(gx[0], t_ref[0]),
+                    grad_w=rel(gw[0], t_ref[1]),
+                    grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
+                    grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
+                )
+                print(
+                    f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: rel err vs torch "
+                    + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
+                    flush=True,
+                )
+                for mode, label, fl in (
+                    ("none", "dgrad kernel only", dgrad_exec),
+                    ("grouped", "+ grouped wgrad", None),
+                    ("mm", "+ mm fp32 wgrad", None),
+                ):
+                    fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(
+                        [go],
+                        [x],
+                        [idx],
+                        [w],
+                        [comb],
+                        w1l,
+                        w2l,  # noqa: E731
+                        wgrad=m,
+                        check=False,
+                        **kw,
+                    )
                     ms, mn = timeit(fn, args.iters, args.warmup)
                     bk.check_last_error()
                     if fl is not None:
-                        extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                        extra = (
+                            f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                        )
                     else:
-                        extra = (f"{tf(model_flops, ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, ms):6.1f} "
-                                 f"executed ({tf(model_flops + recompute, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})")
+                        extra = (
+                            f"{tf(model_flops, ms):6.1f} model TFLOP/s, {tf(model_flops + recompute, ms):6.1f} "
+                            f"executed ({tf(model_flops + recompute, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                        )
                         if best is None or ms < best[0]:
                             best = (ms, comm, mode)
                     print(f"MoK comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
@@ -228,16 +275,21 @@ def main():
             out = mcore_forward(experts, disp, xi, routing_map, probs)
             m_ms, m_mn = timeit(lambda: out.backward(go, retain_graph=True), args.iters, args.warmup)
             merr = rel(xi.grad / (args.iters + args.warmup), t_ref[0])
-            print(f"Megatron-Core alltoall + SequentialMLP backward (EP=1, autograd): {m_ms:8.3f} ms (min {m_mn:.3f}) "
-                  f"{tf(model_flops, m_ms):6.1f} model TFLOP/s  grad_x rel err vs torch {merr:.2e}", flush=True)
+            print(
+                f"Megatron-Core alltoall + SequentialMLP backward (EP=1, autograd): {m_ms:8.3f} ms (min {m_mn:.3f}) "
+                f"{tf(model_flops, m_ms):6.1f} model TFLOP/s  grad_x rel err vs torch {merr:.2e}",
+                flush=True,
+            )
         except Exception as exc:
             print(f"Megatron-Core baseline unavailable: {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)
 
     if best:
-        line = (f"SUMMARY kimi backward: MoK {best[0]:.3f} ms (comm_sms={best[1]}, wgrad={best[2]}, "
-                f"{tf(model_flops, best[0]):.0f} model / {tf(model_flops + recompute, best[0]):.0f} executed TFLOP/s) | "
-                f"torch {t_ms:.3f} ms -> {t_ms / best[0]:.2f}x")
+        line = (
+            f"SUMMARY kimi backward: MoK {best[0]:.3f} ms (comm_sms={best[1]}, wgrad={best[2]}, "
+            f"{tf(model_flops, best[0]):.0f} model / {tf(model_flops + recompute, best[0]):.0f} executed TFLOP/s) | "
+            f"torch {t_ms:.3f} ms -> {t_ms / best[0]:.2f}x"
+        )
         if m_ms:
             line += f" | mcore {m_ms:.3f} ms -> {m_ms / best[0]:.2f}x"
         print(line, flush=True)

@@ -29,8 +29,8 @@ PEAK = 760.0  # TFLOP/s, bf16 dense reference used for "fraction of peak"
 
 SHAPES = {
     # name: (H, F, K, L, tokens)
-    "kimi": (7168, 2048, 8, 8, 8192),      # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
-    "qwen": (2048, 768, 8, 16, 4096),       # Qwen3-30B-A3B-like slice: 32768 rows, 16 local experts
+    "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
+    "qwen": (2048, 768, 8, 16, 4096),  # Qwen3-30B-A3B-like slice: 32768 rows, 16 local experts
 }
 
 
@@ -69,10 +69,10 @@ def make_inputs(H, F, K, L, T, seed=0):
     g.manual_seed(seed)
     x = torch.randn((T, H), generator=g, device=dev).bfloat16()
     scores = torch.rand((T, L), generator=g, device=dev)
-    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()   # uniform-ish, distinct experts
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()  # uniform-ish, distinct experts
     w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
-    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H ** 0.5).bfloat16()
-    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F ** 0.5).bfloat16()
+    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H**0.5).bfloat16()
+    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F**0.5).bfloat16()
     return x, idx, w, w1, w2
 
 
@@ -107,19 +107,32 @@ def mcore_setup(H, F, K, L):
         dist.init_process_group("nccl", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     cfg = TransformerConfig(
-        num_layers=1, hidden_size=H, num_attention_heads=8, ffn_hidden_size=F, moe_ffn_hidden_size=F,
-        num_moe_experts=L, moe_router_topk=K, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        bf16=True, params_dtype=torch.bfloat16, add_bias_linear=False, moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=False, perform_initialization=False,
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=8,
+        ffn_hidden_size=F,
+        moe_ffn_hidden_size=F,
+        num_moe_experts=L,
+        moe_router_topk=K,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="alltoall",
+        use_cpu_initialization=False,
+        perform_initialization=False,
     )
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
     pgc = get_default_pg_collection()
-    experts = SequentialMLP(L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                            pg_collection=pgc)
+    experts = SequentialMLP(
+        L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), pg_collection=pgc
+    )
     experts = experts.cuda().bfloat16()
-    disp = MoEAlltoAllTokenDispatcher(num_local_experts=L, local_expert_indices=list(range(L)), config=cfg,
-                                      pg_collection=pgc)
+    disp = MoEAlltoAllTokenDispatcher(
+        num_local_experts=L, local_expert_indices=list(range(L)), config=cfg, pg_collection=pgc
+    )
     return experts, disp
 
 
@@ -170,16 +183,27 @@ def bench_shape(name, args, results):
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=mb)
             out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw)
             err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
-            fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
+            fn = lambda kw=kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
             ms, mn = timeit(fn, args.iters, args.warmup)
             ms_pipe = timeit_pipelined(fn, args.iters, 1)
             mk.check_last_error()
-            print(f"MoK comm_sms={comm:3d} minibatch={mb:5d} slots={args.ring_slots} raster={raster}: {ms:8.3f} ms (min {mn:.3f}) "
-                  f"{tf(ms):7.1f} TFLOP/s  {tf(ms) / PEAK * 100:5.1f}% of {PEAK:.0f}  back-to-back {ms_pipe:.3f} ms  "
-                  f"rel.err vs torch {err:.2e}",
-                  flush=True)
-            res.setdefault("mok", []).append({"comm_sms": comm, "minibatch": mb, "raster": raster, "ms": ms, "ms_back_to_back": ms_pipe, "tflops": tf(ms),
-                                              "rel_err_vs_torch": err})
+            print(
+                f"MoK comm_sms={comm:3d} minibatch={mb:5d} slots={args.ring_slots} raster={raster}: {ms:8.3f} ms (min {mn:.3f}) "
+                f"{tf(ms):7.1f} TFLOP/s  {tf(ms) / PEAK * 100:5.1f}% of {PEAK:.0f}  back-to-back {ms_pipe:.3f} ms  "
+                f"rel.err vs torch {err:.2e}",
+                flush=True,
+            )
+            res.setdefault("mok", []).append(
+                {
+                    "comm_sms": comm,
+                    "minibatch": mb,
+                    "raster": raster,
+                    "ms": ms,
+                    "ms_back_to_back": ms_pipe,
+                    "tflops": tf(ms),
+                    "rel_err_vs_torch": err,
+                }
+            )
             if best is None or ms < best[0]:
                 best = (ms, comm, mb, raster)
         except Exception as exc:
@@ -195,8 +219,13 @@ def bench_shape(name, args, results):
         os.environ["MOK_RASTER"] = str(best[3])
         kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2])
         fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
-        for bit, what in ((1, "no final weighted sum"), (2, "no fc2 epilogue stores (push combine)"),
-                          (4, "no fc1 epilogue stores"), (8, "no dispatch copy"), (15, "all four")):
+        for bit, what in (
+            (1, "no final weighted sum"),
+            (2, "no fc2 epilogue stores (push combine)"),
+            (4, "no fc1 epilogue stores"),
+            (8, "no dispatch copy"),
+            (15, "all four"),
+        ):
             os.environ["MOK_DEBUG"] = str(bit)
             try:
                 a_ms = timeit_pipelined(fn, args.iters, 2)
@@ -208,8 +237,11 @@ def bench_shape(name, args, results):
         os.environ.pop("MOK_DEBUG", None)
 
     t_ms, t_mn = timeit(lambda: torch_forward(x, idx, w, w1t, w2t, L, F), args.iters, args.warmup)
-    print(f"torch permute+_grouped_mm+SwiGLU+_grouped_mm+combine: {t_ms:8.3f} ms (min {t_mn:.3f}) "
-          f"{tf(t_ms):7.1f} TFLOP/s  {tf(t_ms) / PEAK * 100:5.1f}%", flush=True)
+    print(
+        f"torch permute+_grouped_mm+SwiGLU+_grouped_mm+combine: {t_ms:8.3f} ms (min {t_mn:.3f}) "
+        f"{tf(t_ms):7.1f} TFLOP/s  {tf(t_ms) / PEAK * 100:5.1f}%",
+        flush=True,
+    )
     res["torch_ms"] = t_ms
 
     if not args.no_mcore:
@@ -226,10 +258,14 @@ def bench_shape(name, args, results):
             with torch.no_grad():
                 mo = mcore_forward(experts, disp, x, routing_map, probs)
                 merr = ((mo.float() - ref.float()).norm() / ref.float().norm()).item()
-                m_ms, m_mn = timeit(lambda: mcore_forward(experts, disp, x, routing_map, probs), args.iters,
-                                    args.warmup)
-            print(f"Megatron-Core alltoall dispatcher + SequentialMLP (EP=1): {m_ms:8.3f} ms (min {m_mn:.3f}) "
-                  f"{tf(m_ms):7.1f} TFLOP/s  rel.err vs torch {merr:.2e}", flush=True)
+                m_ms, m_mn = timeit(
+                    lambda: mcore_forward(experts, disp, x, routing_map, probs), args.iters, args.warmup
+                )
+            print(
+                f"Megatron-Core alltoall dispatcher + SequentialMLP (EP=1): {m_ms:8.3f} ms (min {m_mn:.3f}) "
+                f"{tf(m_ms):7.1f} TFLOP/s  rel.err vs torch {merr:.2e}",
+                flush=True,
+            )
             res["mcore_ms"] = m_ms
         except Exception as exc:
             print(f"Megatron-Core baseline unavailable: {type(exc).__name__}: {exc}", flush=True)
@@ -238,13 +274,18 @@ def bench_shape(name, args, results):
 
     d1, d2 = dense_ceiling(rows, H, F, args.iters, args.warmup)
     dense_tf = flops / ((d1 + d2) * 1e-3) / 1e12
-    print(f"dense torch.mm ceiling: fc1 [{rows}x{H}]x[{H}x{2 * F}] {d1:.3f} ms, fc2 {d2:.3f} ms -> "
-          f"{d1 + d2:.3f} ms {dense_tf:.1f} TFLOP/s", flush=True)
+    print(
+        f"dense torch.mm ceiling: fc1 [{rows}x{H}]x[{H}x{2 * F}] {d1:.3f} ms, fc2 {d2:.3f} ms -> "
+        f"{d1 + d2:.3f} ms {dense_tf:.1f} TFLOP/s",
+        flush=True,
+    )
     res["dense_ms"] = d1 + d2
     if best:
         res["mok_best_ms"] = best[0]
-        line = (f"SUMMARY {name}: MoK {best[0]:.3f} ms ({tf(best[0]):.0f} TFLOP/s, comm_sms={best[1]}, "
-                f"minibatch={best[2]}, raster={best[3]}) | torch {t_ms:.3f} ms -> speedup {t_ms / best[0]:.2f}x")
+        line = (
+            f"SUMMARY {name}: MoK {best[0]:.3f} ms ({tf(best[0]):.0f} TFLOP/s, comm_sms={best[1]}, "
+            f"minibatch={best[2]}, raster={best[3]}) | torch {t_ms:.3f} ms -> speedup {t_ms / best[0]:.2f}x"
+        )
         if "mcore_ms" in res:
             line += f" | mcore {res['mcore_ms']:.3f} ms -> {res['mcore_ms'] / best[0]:.2f}x"
         line += f" | dense-mm ceiling {d1 + d2:.3f} ms (MoK/dense = {(d1 + d2) / best[0]:.2f})"

@@ -79,8 +79,24 @@ def _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos):
     return run_emulated(R, body)
 
 
-def _case(bk, R, kind, *, L=4, H=512, F=256, K=4, tokens=None, comm_sms=2, ring_slots=2, minibatch=128, seed=0,
-          idx_override=None, wgrad="mm", chain_forward=False):
+def _case(
+    bk,
+    R,
+    kind,
+    *,
+    L=4,
+    H=512,
+    F=256,
+    K=4,
+    tokens=None,
+    comm_sms=2,
+    ring_slots=2,
+    minibatch=128,
+    seed=0,
+    idx_override=None,
+    wgrad="mm",
+    chain_forward=False,
+):
     from routings import make_topk
 
     from megatron_mok.reference import RingSpec
@@ -110,14 +126,28 @@ def _case(bk, R, kind, *, L=4, H=512, F=256, K=4, tokens=None, comm_sms=2, ring_
         if not fk.is_available():
             pytest.skip(f"forward kernel unavailable: {fk.unavailable_reason()}")
         _, comb, _ = fk.mok_forward_emulated(
-            xs, [i.int().contiguous() for i in idx], ws, [w1[q * L : (q + 1) * L] for q in range(R)],
-            [w2[q * L : (q + 1) * L] for q in range(R)], comm_sms=comm_sms, ring_slots=ring_slots,
+            xs,
+            [i.int().contiguous() for i in idx],
+            ws,
+            [w1[q * L : (q + 1) * L] for q in range(R)],
+            [w2[q * L : (q + 1) * L] for q in range(R)],
+            comm_sms=comm_sms,
+            ring_slots=ring_slots,
             minibatch_tokens=minibatch,
         )
     gx, gw, g1, g2 = bk.mok_backward_emulated(
-        gos, xs, [i.int().contiguous() for i in idx], ws, comb,
-        [w1[q * L : (q + 1) * L] for q in range(R)], [w2[q * L : (q + 1) * L] for q in range(R)],
-        comm_sms=comm_sms, ring_slots=ring_slots, minibatch_tokens=minibatch, wgrad=wgrad, timeout_ms=4000.0,
+        gos,
+        xs,
+        [i.int().contiguous() for i in idx],
+        ws,
+        comb,
+        [w1[q * L : (q + 1) * L] for q in range(R)],
+        [w2[q * L : (q + 1) * L] for q in range(R)],
+        comm_sms=comm_sms,
+        ring_slots=ring_slots,
+        minibatch_tokens=minibatch,
+        wgrad=wgrad,
+        timeout_ms=4000.0,
     )
     torch.cuda.synchronize()
     worst = {}
@@ -141,8 +171,10 @@ def _case(bk, R, kind, *, L=4, H=512, F=256, K=4, tokens=None, comm_sms=2, ring_
     log = os.environ.get("MOK_BWD_ERRLOG")
     if log:
         with open(log, "a") as f:
-            f.write(f"R={R} kind={kind} H={H} F={F} K={K} L={L} tokens={tokens} M={minibatch} S={ring_slots} "
-                    f"wgrad={wgrad} chain={chain_forward}: " + " ".join(f"{k}={v:.3e}" for k, v in worst.items()) + "\n")
+            f.write(
+                f"R={R} kind={kind} H={H} F={F} K={K} L={L} tokens={tokens} M={minibatch} S={ring_slots} "
+                f"wgrad={wgrad} chain={chain_forward}: " + " ".join(f"{k}={v:.3e}" for k, v in worst.items()) + "\n"
+            )
     return worst
 
 
@@ -194,8 +226,7 @@ def test_backward_chained_after_forward_kernel(bk):
 @pytest.mark.gpu
 def test_backward_kimi_k2_slice(bk):
     # Kimi-K2 per-GPU slice: hidden 7168, expert ffn 2048, top-8, 8 local experts, EP=1, 2048 tokens
-    _case(bk, 1, "random", L=8, H=7168, F=2048, K=8, tokens=[2048], comm_sms=16, ring_slots=3, minibatch=2560,
-          seed=12)
+    _case(bk, 1, "random", L=8, H=7168, F=2048, K=8, tokens=[2048], comm_sms=16, ring_slots=3, minibatch=2560, seed=12)
 
 
 @pytest.mark.gpu
@@ -214,8 +245,20 @@ def test_backward_stall_times_out_and_recovers(bk):
     w2 = [[(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
     # ring slots >= minibatches: only the stalled slot's consumers wait (deterministic report)
     with pytest.raises(bk.MokKernelError, match=r"timed out: rank 1 slot 1"):
-        bk.mok_backward_emulated(gos, xs, idx, ws, comb, w1, w2, comm_sms=2, ring_slots=8, minibatch_tokens=128,
-                                 timeout_ms=300.0, debug_stall=(1, 1))
+        bk.mok_backward_emulated(
+            gos,
+            xs,
+            idx,
+            ws,
+            comb,
+            w1,
+            w2,
+            comm_sms=2,
+            ring_slots=8,
+            minibatch_tokens=128,
+            timeout_ms=300.0,
+            debug_stall=(1, 1),
+        )
     # the next normal call works (state is re-zeroed per launch)
     _case(bk, 2, "random", tokens=[300, 200], seed=23)
 
