@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +340,6 @@ def check_against_transformer_config(cfg: MokConfig, tc: Any, ep_size: int | Non
 @dataclass
 class _ConfigState:
     active: MokConfig | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _STATE = _ConfigState()

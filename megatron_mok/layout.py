@@ -39,10 +39,6 @@ class ExpertLayout:
     def num_rows(self) -> int:
         return int(self.src_rank.numel())
 
-    def rows_from(self, src: int) -> torch.Tensor:
-        """Positions (in layout order) of the rows that come from rank ``src``."""
-        return torch.nonzero(self.src_rank == src, as_tuple=False).flatten()
-
     def segments(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
         """(local expert, row begin, row end) pieces of layout rows [start, end)."""
         offsets = self.expert_offsets.tolist()
@@ -97,6 +93,11 @@ def compute_layout(all_topk_idx: Sequence[torch.Tensor], rank: int, num_local_ex
         src_k=src_k_t[order],
         local_expert=expert_t[order],
     )
+
+
+def positions_by_rank(src_rank: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """For each rank r, the positions (ascending) of the rows whose source is r."""
+    return [torch.nonzero(src_rank == r, as_tuple=False).flatten() for r in range(world_size)]
 
 
 def num_minibatches(num_rows: int, minibatch_tokens: int) -> int:

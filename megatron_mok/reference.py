@@ -29,7 +29,14 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from .layout import ExpertLayout, compute_layout, minibatches, num_minibatches, validate_routing
+from .layout import (
+    ExpertLayout,
+    compute_layout,
+    minibatches,
+    num_minibatches,
+    positions_by_rank,
+    validate_routing,
+)
 from .transport import Transport
 
 
@@ -146,30 +153,43 @@ def _validate(
             )
 
 
-def _pull_rows(plan: MokPlan, layout: ExpertLayout, source: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
-    """Pull layout rows [lo, hi) from the source ranks' ``source`` into ``out`` (layout order)."""
-    tp = plan.transport
-    src = layout.src_rank[lo:hi]
-    tok = layout.src_token[lo:hi]
-    pos = [torch.nonzero(src == r, as_tuple=False).flatten() for r in range(tp.world_size)]
-    got = tp.pull(source, [tok[p] for p in pos])
+def pull_into(
+    tp: Transport, source: torch.Tensor, src_rank: torch.Tensor, index: torch.Tensor, out: torch.Tensor
+) -> list[torch.Tensor]:
+    """``out[i] = source[index[i]]`` read from rank ``src_rank[i]``'s ``source`` (each rank passes its
+    own). Returns the per-rank positions, for the reverse move."""
+    pos = positions_by_rank(src_rank, tp.world_size)
+    got = tp.pull(source, [index[p] for p in pos])
     for p, rows in zip(pos, got):
         if p.numel():
             out[p.to(out.device)] = rows.to(out.dtype)
+    return pos
+
+
+def push_into(
+    tp: Transport, rows: torch.Tensor, src_rank: torch.Tensor, where: torch.Tensor, dest: torch.Tensor
+) -> list[torch.Tensor]:
+    """Row i goes to ``dest[where[i]]`` on rank ``src_rank[i]`` (its home); every rank receives into
+    its own ``dest``. Returns the per-rank positions of the sent rows."""
+    pos = positions_by_rank(src_rank, tp.world_size)
+    got_pos, got_rows = tp.push([rows[p] for p in pos], [where[p] for p in pos])
+    for p, r in zip(got_pos, got_rows):
+        if p.numel():
+            dest[p.to(dest.device)] = r.to(dest.dtype)
+    return pos
+
+
+def _pull_rows(plan: MokPlan, layout: ExpertLayout, source: torch.Tensor, lo: int, hi: int, out: torch.Tensor) -> None:
+    """Pull layout rows [lo, hi) from the source ranks' ``source`` into ``out`` (layout order)."""
+    pull_into(plan.transport, source, layout.src_rank[lo:hi], layout.src_token[lo:hi], out)
 
 
 def _push_rows(
     plan: MokPlan, layout: ExpertLayout, rows: torch.Tensor, lo: int, hi: int, topk: int, dest: torch.Tensor
 ) -> None:
     """Push result rows of layout rows [lo, hi) to their home ranks' ``dest`` [T*K, H] at t*K+k."""
-    tp = plan.transport
-    src = layout.src_rank[lo:hi]
     where = layout.src_token[lo:hi] * topk + layout.src_k[lo:hi]
-    sel = [torch.nonzero(src == r, as_tuple=False).flatten() for r in range(tp.world_size)]
-    got_pos, got_rows = tp.push([rows[s] for s in sel], [where[s] for s in sel])
-    for p, r in zip(got_pos, got_rows):
-        if p.numel():
-            dest[p.to(dest.device)] = r.to(dest.dtype)
+    push_into(plan.transport, rows, layout.src_rank[lo:hi], where, dest)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -409,15 +429,10 @@ class PullRows(torch.autograd.Function):
     def forward(ctx, source: torch.Tensor, layout: ExpertLayout, transport: Transport, row_of_token):  # type: ignore[override]
         # ``row_of_token(src_token, src_k)`` -> row index into ``source`` on the source rank.
         tp = transport
-        rows = layout.src_rank.numel()
         idx = row_of_token(layout.src_token, layout.src_k)
-        pos = [torch.nonzero(layout.src_rank == r, as_tuple=False).flatten() for r in range(tp.world_size)]
-        got = tp.pull(source.detach(), [idx[p] for p in pos])
-        out = source.new_empty((rows, *source.shape[1:]))
-        for p, r in zip(pos, got):
-            if p.numel():
-                out[p] = r
-        ctx.layout, ctx.tp, ctx.pos, ctx.idx = layout, tp, pos, idx
+        out = source.new_empty((layout.num_rows, *source.shape[1:]))
+        pos = pull_into(tp, source.detach(), layout.src_rank, idx, out)
+        ctx.tp, ctx.pos, ctx.idx = tp, pos, idx
         ctx.source_shape = source.shape
         return out
 
@@ -436,22 +451,14 @@ class PushRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, layout: ExpertLayout, transport: Transport, topk: int, num_tokens: int):  # type: ignore[override]
-        tp = transport
         where = layout.src_token * topk + layout.src_k
-        pos = [torch.nonzero(layout.src_rank == r, as_tuple=False).flatten() for r in range(tp.world_size)]
-        got_pos, got_rows = tp.push([rows[p] for p in pos], [where[p] for p in pos])
         dest = rows.new_zeros((num_tokens * topk, *rows.shape[1:]))
-        for p, r in zip(got_pos, got_rows):
-            if p.numel():
-                dest[p.to(dest.device)] = r
-        ctx.tp, ctx.pos, ctx.where, ctx.rows_shape = tp, pos, where, rows.shape
+        push_into(transport, rows, layout.src_rank, where, dest)
+        ctx.tp, ctx.src_rank, ctx.where, ctx.rows_shape = transport, layout.src_rank, where, rows.shape
         return dest
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        got = ctx.tp.pull(grad.contiguous(), [ctx.where[p] for p in ctx.pos])
         g = grad.new_zeros(ctx.rows_shape)
-        for p, r in zip(ctx.pos, got):
-            if p.numel():
-                g[p] = r
+        pull_into(ctx.tp, grad.contiguous(), ctx.src_rank, ctx.where, g)  # pull reverse-combine
         return g, None, None, None, None
