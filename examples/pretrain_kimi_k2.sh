@@ -1,51 +1,5 @@
 #!/usr/bin/env bash
-# Kimi-K2 pretraining with Megatron-LM's pretrain_gpt.py and the MoK dispatcher.
+# Kimi-K2 pretraining with Megatron-LM's pretrain_gpt.py and the MoK dispatcher (see pretrain_moe.sh).
 #   MEGATRON_LM=/path/to/Megatron-LM NNODES=.. NODE_RANK=.. MASTER_ADDR=.. bash examples/pretrain_kimi_k2.sh
 #   SCALE=small bash examples/pretrain_kimi_k2.sh        # 4 layers, 16 experts: fits one H200 (EP=1)
-# Architecture flags follow the public Kimi-K2 recipes (61 layers, 1 dense + 60 MoE, MLA, 384 experts
-# of ffn 2048, top-8, one shared expert, sigmoid router with expert bias). MoK replaces the dispatcher:
-# --moe-token-dispatcher-type mok --mok-config kimi-k2 (configs/kimi-k2.yaml: SM split, ring, minibatch).
-set -euo pipefail
-: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}"
-SCALE=${SCALE:-full}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-if [ "$SCALE" = small ]; then
-  MODEL=(--num-layers 4 --moe-layer-freq "([0]*1+[1]*3)" --num-experts 16 --hidden-size 7168
-         --ffn-hidden-size 18432 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048)
-  PAR=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 1)
-  BATCH=(--micro-batch-size 1 --global-batch-size 8 --seq-length 4096 --max-position-embeddings 4096)
-  MOK_CFG=${MOK_CONFIG_PATH:-kimi-k2-small.yaml}
-  # the small variant keeps Kimi's per-expert shapes but has 16 experts: write a matching MoK config
-  python - "$MOK_CFG" <<'PY'
-import sys, yaml
-from megatron_mok.config import load_config
-import dataclasses
-cfg = load_config("kimi-k2")
-raw = {"model": {**dataclasses.asdict(cfg.model), "name": "kimi-k2-small", "num_moe_experts": 16},
-       "kernel": {k: v for k, v in dataclasses.asdict(cfg.kernel).items()}}
-open(sys.argv[1], "w").write(yaml.safe_dump(raw))
-PY
-else
-  MODEL=(--num-layers 61 --moe-layer-freq "([0]*1+[1]*60)" --num-experts 384 --hidden-size 7168
-         --ffn-hidden-size 18432 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048)
-  PAR=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 16 --expert-model-parallel-size 64
-       --expert-tensor-parallel-size 1 --sequence-parallel)
-  BATCH=(--micro-batch-size 1 --global-batch-size 2048 --seq-length 4096 --max-position-embeddings 4096)
-  MOK_CFG=kimi-k2
-fi
-torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
-  --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-6000}" \
-  -m megatron_mok.launch "$MEGATRON_LM/pretrain_gpt.py" \
-  "${MODEL[@]}" "${PAR[@]}" "${BATCH[@]}" \
-  --num-attention-heads 64 --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 \
-  --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm \
-  --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights \
-  --position-embedding-type rope --rotary-base 50000 \
-  --moe-router-topk 8 --moe-router-score-function sigmoid --moe-router-enable-expert-bias \
-  --moe-router-bias-update-rate 1e-3 --moe-router-topk-scaling-factor 2.827 --moe-router-dtype fp32 \
-  --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss \
-  --moe-token-dispatcher-type mok --mok-config "$MOK_CFG" \
-  --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
-  --train-iters "${TRAIN_ITERS:-500}" --log-interval 1 \
-  --mock-data --tokenizer-type NullTokenizer --vocab-size 163840 \
-  --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}" "$@"
+MODEL=kimi-k2 exec bash "$(dirname "$0")/pretrain_moe.sh" "$@"
