@@ -14,7 +14,9 @@ Contract (used by the dispatcher):
 
 from __future__ import annotations
 
-from .emulated import MOK_MAX_RANKS, MokKernelError, check_last_error, check_pending_errors, mok_forward_emulated
+from .availability import KernelAvailability
+from .emulated import MOK_MAX_RANKS, check_last_error, check_pending_errors, mok_forward_emulated
+from .errors import MokKernelError
 
 __all__ = [
     "MOK_MAX_RANKS",
@@ -27,9 +29,6 @@ __all__ = [
     "mok_forward_emulated",
     "unavailable_reason",
 ]
-
-_avail: bool | None = None
-_reason: str = "not checked yet"
 
 
 def build_library(verbose: bool = False, force: bool = False):
@@ -44,38 +43,12 @@ def compile_only(output=None, verbose: bool = False):
     return _c(output=output, verbose=verbose)
 
 
-def _probe() -> tuple[bool, str]:
-    try:
-        import torch
-    except Exception as exc:  # pragma: no cover
-        return False, f"torch import failed: {exc}"
-    if not torch.cuda.is_available():
-        return False, "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        major, minor = torch.cuda.get_device_capability()
-    except Exception as exc:
-        return False, f"cannot query the CUDA device: {exc}"
-    if (major, minor) != (9, 0):
-        return False, f"the MoK kernel needs an sm_90 (Hopper) GPU, found sm_{major}{minor}"
-    try:
-        from .emulated import load_library
+def _load_library():
+    from .emulated import load_library
 
-        load_library()
-    except Exception as exc:
-        return False, f"building/loading the MoK CUDA library failed: {exc}"
-    return True, "available"
+    return load_library()
 
 
-def is_available() -> bool:
-    global _avail, _reason
-    if _avail is None:
-        try:
-            _avail, _reason = _probe()
-        except Exception as exc:  # never raise
-            _avail, _reason = False, f"unexpected error: {exc}"
-    return _avail
-
-
-def unavailable_reason() -> str:
-    is_available()
-    return "" if _avail else _reason
+_AVAILABILITY = KernelAvailability("MoK kernel", _load_library)
+is_available = _AVAILABILITY.is_available
+unavailable_reason = _AVAILABILITY.unavailable_reason

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from . import build as _build
+from .availability import KernelAvailability
+from .errors import MokKernelError, format_error, raise_recorded_error
 
 LIB_NAME = "libmok_backward"
 MAIN_SOURCE = "mok_backward.cu"
@@ -46,10 +48,6 @@ _PHASES = {
     6: "internal smem pipeline",
     7: "schedule",
 }
-
-
-class MokKernelError(RuntimeError):
-    """The backward kernel reported an error (timeout, invalid input) or could not be launched."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,8 +149,6 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _ws_cache: dict[int, torch.Tensor] = {}
 _err_cache: dict[int, torch.Tensor] = {}
-_avail: bool | None = None
-_reason = "not checked yet"
 
 
 def load_library(path: Path | None = None) -> ctypes.CDLL:
@@ -170,35 +166,9 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         return lib
 
 
-def _probe() -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        cc = torch.cuda.get_device_capability()
-    except Exception as exc:
-        return False, f"cannot query the CUDA device: {exc}"
-    if cc != (9, 0):
-        return False, f"the MoK backward kernel needs an sm_90 (Hopper) GPU, found sm_{cc[0]}{cc[1]}"
-    try:
-        load_library()
-    except Exception as exc:
-        return False, f"building/loading the MoK backward library failed: {exc}"
-    return True, "available"
-
-
-def is_available() -> bool:
-    global _avail, _reason
-    if _avail is None:
-        try:
-            _avail, _reason = _probe()
-        except Exception as exc:  # never raise
-            _avail, _reason = False, f"unexpected error: {exc}"
-    return _avail
-
-
-def unavailable_reason() -> str:
-    is_available()
-    return "" if _avail else _reason
+_AVAILABILITY = KernelAvailability("MoK backward kernel", load_library)
+is_available = _AVAILABILITY.is_available
+unavailable_reason = _AVAILABILITY.unavailable_reason
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -230,32 +200,12 @@ def _i64(vals):
 
 
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
-    code, rank, slot, phase, expected, seen, extra, block = err[:8]
-    pname = _PHASES.get(phase, f"phase {phase}")
-    if code == 1:
-        return (
-            f"MoK backward kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= "
-            f"{expected}, saw {seen} after {timeout_ms:g} ms (CTA {block})"
-        )
-    if code == 2:
-        return (
-            f"MoK backward kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
-            f"[0, {R * L})"
-        )
-    return f"MoK backward kernel internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
+    return format_error(err, R, L, timeout_ms, kernel="MoK backward kernel", phases=_PHASES)
 
 
 def check_last_error(device=None, *, R: int = 0, L: int = 0, timeout_ms: float = 0.0) -> None:
     """Synchronize the current stream; raise MokKernelError if the last backward launch recorded an error."""
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    err = _err_cache.get(dev)
-    if err is None:
-        return
-    torch.cuda.current_stream(device).synchronize()
-    vals = err.cpu().tolist()
-    if vals[0] != 0:
-        raise MokKernelError(_error_message(vals, R, L, timeout_ms))
+    raise_recorded_error(_err_cache, device, lambda vals: _error_message(vals, R, L, timeout_ms))
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

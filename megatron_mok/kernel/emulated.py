@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import MokKernelError, format_error, raise_recorded_error
+
 MOK_MAX_RANKS = 72
 MOK_MAX_LOCAL_EXPERTS = 512
 MOK_MAX_SLOTS = 64
@@ -26,10 +28,6 @@ _PHASES = {
     6: "internal smem pipeline",
     7: "schedule",
 }
-
-
-class MokKernelError(RuntimeError):
-    """Raised when the kernel reports an error (timeout, invalid input) or cannot be launched."""
 
 
 class _Args(ctypes.Structure):
@@ -202,19 +200,7 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
 
 
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
-    code, rank, slot, phase, expected, seen, extra, block = err[:8]
-    pname = _PHASES.get(phase, f"phase {phase}")
-    if code == 1:
-        return (
-            f"MoK kernel timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
-            f"saw {seen} after {timeout_ms:g} ms (CTA {block})"
-        )
-    if code == 2:
-        return (
-            f"MoK kernel: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in "
-            f"[0, {R * L})"
-        )
-    return f"MoK kernel internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
+    return format_error(err, R, L, timeout_ms, kernel="MoK kernel", phases=_PHASES)
 
 
 def mok_forward_emulated(
@@ -370,12 +356,4 @@ def check_pending_errors(wait: bool = False) -> None:
 
 def check_last_error(device=None, *, R: int = 0, L: int = 0, timeout_ms: float = 0.0) -> None:
     """Synchronize the current stream and raise MokKernelError if the last launch recorded an error."""
-    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-    dev = device.index if device.index is not None else torch.cuda.current_device()
-    err = _err_cache.get(dev)
-    if err is None:
-        return
-    torch.cuda.current_stream(device).synchronize()
-    vals = err.cpu().tolist()
-    if vals[0] != 0:
-        raise MokKernelError(_error_message(vals, R, L, timeout_ms))
+    raise_recorded_error(_err_cache, device, lambda vals: _error_message(vals, R, L, timeout_ms))
