@@ -26,6 +26,8 @@
 
 namespace mok {
 
+struct TimelineEvent;
+
 // ---- kernel geometry --------------------------------------------------------------------------
 constexpr int kThreads = 384;           // 3 warpgroups: WG0 = TMA producer, WG1/WG2 = WGMMA consumers
 constexpr int kWarps = kThreads / 32;
@@ -40,7 +42,7 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one warp per chunk)
 
 // ---- error reporting ----------------------------------------------------------------------------
-enum ErrCode : int { kErrNone = 0, kErrTimeout = 1, kErrBadIndex = 2, kErrInternal = 3 };
+enum ErrCode : int { kErrNone = 0, kErrTimeout = 1, kErrBadIndex = 2, kErrInternal = 3, kErrBadShape = 4 };
 enum Phase : int {
   kPhaseGridBarrier = 1,
   kPhaseDispatchReady = 2,   // compute waits for dispatch of a ring slot
@@ -49,12 +51,16 @@ enum Phase : int {
   kPhaseComputeDone = 5,     // final weighted combine waits for all experts' pushes
   kPhasePipeline = 6,        // internal smem pipeline (mbarrier) wait
   kPhaseSchedule = 7,
+  kPhasePeerStart = 8,       // per-rank launch: waits for every peer's start signal (inputs published)
+  kPhasePeerDone = 9,        // per-rank launch: waits for every peer's compute-done signal (pushes landed)
+  kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 
 // ---- per-rank table (global memory) -------------------------------------------------------------
-// In emulated EP all ranks live on one GPU; with real EP these pointers would be peer pointers
-// (torch symmetric memory buffer_ptrs) and the same device code runs unchanged.
+// Emulated EP: all ranks live on one GPU and one launch. Per-rank launches (real EP, or several
+// launches on one GPU): x / idx / combine / signal are peer pointers (torch symmetric memory
+// buffer_ptrs) and the same device code runs unchanged.
 struct RankTable {
   const __nv_bfloat16* x;       // [T, H]
   const int* idx;               // [T, K]
@@ -66,10 +72,18 @@ struct RankTable {
   int entry_base;               // sum_{r'<r} T_r' * K
   int chunk_base;               // sum_{r'<r} ceil(T_r' / kChunkTokens)
   int pad;
+  unsigned* signal;             // [kSigKinds][MOK_MAX_RANKS] rank r's signal pad (per-rank launches only)
 };
+
+// Signal pad of a rank (per-rank launches): slot [kind][src] is written by rank src with the call's
+// epoch (monotonic across calls, so the pad is never re-zeroed). kSigTokens carries src's T.
+enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigKinds = 3 };
 
 struct Params {
   int R, L, E, H, F, K;
+  int rank0, nparts;                  // ranks [rank0, rank0 + nparts) run in this launch (emulated: 0, R)
+  int peer_sync;                      // 1: one launch per rank, ranks meet through signal pads (.sys)
+  unsigned epoch;                     // call number (>= 1) for the signal pads
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
   int mt_max, nt1, nt2, tickets_per_mb;
   int mb_cap;                         // max minibatches per rank (counter array size)
@@ -82,50 +96,68 @@ struct Params {
   long long layout_cap;               // rows per rank in layout buffer
   const RankTable* ranks;             // [R]
   const CUtensorMap* tmaps;           // see tmap_* helpers
-  __nv_bfloat16* ring;                // [R][S][M][H]  dispatch ring buffer (x rows in layout order)
-  __nv_bfloat16* act;                 // [R][S][M][F]  SwiGLU activations per slot
-  int2* layout;                       // [R][layout_cap] (src rank, src entry t*K+k)
+  // Per-partition workspace ([nparts] leading dim, indexed by part(P, q) = q - rank0):
+  __nv_bfloat16* ring;                // [nparts][S][M][H]  dispatch ring buffer (x rows in layout order)
+  __nv_bfloat16* act;                 // [nparts][S][M][F]  SwiGLU activations per slot
+  int2* layout;                       // [nparts][layout_cap] (src rank, src entry t*K+k)
   int* local_rank;                    // [total_entries]
   int* chunk_counts;                  // [E][num_chunks] (zeroed per launch)
   int* expert_total;                  // [E]
-  int* expert_off;                    // [R][L+1]
+  int* expert_off;                    // [nparts][L+1]
   unsigned* counters;                 // see ctr_* helpers (zeroed per launch)
   int* err;                           // [8]
+  TimelineEvent* timeline;            // optional [grid][timeline_cap] events (timeline.cuh), or nullptr
+  unsigned* timeline_count;           // [grid] events written per CTA (zeroed by the host)
+  int timeline_cap;
 };
 
-// Tensor map table: per expert (global id g): 3*g+0 gate [F,H], 3*g+1 up [F,H], 3*g+2 w2 [H,F];
-// then per rank q: 3*E + 2*q + 0 ring [S*M, H], 3*E + 2*q + 1 act [S*M, F].
-__device__ __forceinline__ const CUtensorMap* tmap_gate(const Params& P, int g) { return P.tmaps + 3 * g + 0; }
-__device__ __forceinline__ const CUtensorMap* tmap_up(const Params& P, int g) { return P.tmaps + 3 * g + 1; }
-__device__ __forceinline__ const CUtensorMap* tmap_w2(const Params& P, int g) { return P.tmaps + 3 * g + 2; }
-__device__ __forceinline__ const CUtensorMap* tmap_ring(const Params& P, int q) { return P.tmaps + 3 * P.E + 2 * q; }
-__device__ __forceinline__ const CUtensorMap* tmap_act(const Params& P, int q) { return P.tmaps + 3 * P.E + 2 * q + 1; }
+// Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.
+__host__ __device__ __forceinline__ int part(const Params& P, int q) { return q - P.rank0; }
+__host__ __device__ __forceinline__ bool in_launch(const Params& P, int q) {
+  return (unsigned)(q - P.rank0) < (unsigned)P.nparts;
+}
+
+// Tensor map table, only for the experts of this launch's ranks: local expert id
+// g' = g - rank0 * L: 3*g'+0 gate [F,H], 3*g'+1 up [F,H], 3*g'+2 w2 [H,F];
+// then per partition p: 3*nparts*L + 2*p + 0 ring [S*M, H], + 1 act [S*M, F].
+__device__ __forceinline__ const CUtensorMap* tmap_expert(const Params& P, int g) {
+  return P.tmaps + 3 * (g - P.rank0 * P.L);
+}
+__device__ __forceinline__ const CUtensorMap* tmap_gate(const Params& P, int g) { return tmap_expert(P, g) + 0; }
+__device__ __forceinline__ const CUtensorMap* tmap_up(const Params& P, int g) { return tmap_expert(P, g) + 1; }
+__device__ __forceinline__ const CUtensorMap* tmap_w2(const Params& P, int g) { return tmap_expert(P, g) + 2; }
+__device__ __forceinline__ const CUtensorMap* tmap_ring(const Params& P, int q) {
+  return P.tmaps + 3 * P.nparts * P.L + 2 * part(P, q);
+}
+__device__ __forceinline__ const CUtensorMap* tmap_act(const Params& P, int q) { return tmap_ring(P, q) + 1; }
 
 // Counter layout (all monotonic within a launch; zeroed by the host launcher before each launch).
 // Ring-protocol counters are kept per minibatch (not per slot), so no round arithmetic is needed and
 // minibatches with fewer row blocks than others cannot confuse a slot's counters.
-__host__ __device__ inline long long ctr_count(int R, int mb_cap, int mt_max) {
-  return 2 + (long long)R + 2LL * R * mb_cap + (long long)R * mb_cap * mt_max;
+// Per-partition counters (nparts = ranks in this launch).
+__host__ __device__ inline long long ctr_count(int nparts, int mb_cap, int mt_max) {
+  return 2 + (long long)nparts + 2LL * nparts * mb_cap + (long long)nparts * mb_cap * mt_max;
 }
 __device__ __forceinline__ unsigned* ctr_grid_barrier(const Params& P) { return P.counters + 0; }
 __device__ __forceinline__ unsigned* ctr_compute_done(const Params& P) { return P.counters + 1; }
-__device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return P.counters + 2 + q; }
+__device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return P.counters + 2 + part(P, q); }
 // +1 per comm CTA once minibatch mb sits in its ring slot
 __device__ __forceinline__ unsigned* ctr_ready(const Params& P, int q, int mb) {
-  return P.counters + 2 + P.R + (long long)q * P.mb_cap + mb;
+  return P.counters + 2 + P.nparts + (long long)part(P, q) * P.mb_cap + mb;
 }
 // +1 per finished fc2 tile (combine pushes written) of minibatch mb
 __device__ __forceinline__ unsigned* ctr_mb_done(const Params& P, int q, int mb) {
-  return P.counters + 2 + P.R + (long long)P.R * P.mb_cap + (long long)q * P.mb_cap + mb;
+  return P.counters + 2 + P.nparts + (long long)P.nparts * P.mb_cap + (long long)part(P, q) * P.mb_cap + mb;
 }
 // +1 per finished fc1 tile of row block mt of minibatch mb
 __device__ __forceinline__ unsigned* ctr_fc1_done(const Params& P, int q, int mb, int mt) {
-  return P.counters + 2 + P.R + 2LL * P.R * P.mb_cap + ((long long)q * P.mb_cap + mb) * P.mt_max + mt;
+  return P.counters + 2 + P.nparts + 2LL * P.nparts * P.mb_cap + ((long long)part(P, q) * P.mb_cap + mb) * P.mt_max +
+         mt;
 }
 
 // ---- PTX helpers ---------------------------------------------------------------------------------
-// Emulated EP keeps every flag GPU-local (.gpu scope). A real multi-GPU build would use .sys for the
-// few cross-rank flags (start/finish barriers); ring counters stay local in the pull design.
+// Ring counters are GPU-local (.gpu scope) in the pull design; only the per-rank launches' start /
+// done signals cross GPUs (.sys scope, peer_sync.cuh).
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -140,6 +172,19 @@ __device__ __forceinline__ int ld_volatile_int(const int* p) {
   int v;
   asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 __device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");

@@ -16,7 +16,9 @@
 #include "common.cuh"
 #include "gemm_sm90.cuh"
 #include "push_combine.cuh"
+#include "peer_sync.cuh"
 #include "ring_buffer.cuh"
+#include "timeline.cuh"
 #include "timeout.cuh"
 
 namespace mok {
@@ -143,6 +145,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
     if (ti.kind == 0) break;
+    const unsigned long long t_tile = globaltimer_ns();
 
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -171,7 +174,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     // ---------------- epilogue ----------------
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     if (ti.kind == 1) {
-      __nv_bfloat16* act = P.act + ((long long)(q * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
+      __nv_bfloat16* act = P.act + ((long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
@@ -196,6 +199,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (threadIdx.x == 128) {
         __threadfence();
         red_release_gpu_add(ctr_fc1_done(P, q, ti.mb, ti.mt), 1u);
+        timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns());
       }
     } else {
 #pragma unroll
@@ -203,7 +207,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         const int r = r_lo + 8 * h;
         __nv_bfloat16* dst = nullptr;
         if (r < ti.rows && !MOK_DBG(2)) {
-          const int2 src = P.layout[(long long)q * P.layout_cap + ti.row0 + r];
+          const int2 src = P.layout[(long long)part(P, q) * P.layout_cap + ti.row0 + r];
           dst = P.ranks[src.x].combine + (long long)src.y * H;  // push: home rank's combine buffer row
         }
         store_row_frag256(dst, ti.nt * kBN, H, acc, h, lane);
@@ -212,6 +216,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (threadIdx.x == 128) {
         __threadfence();
         red_release_gpu_add(ctr_mb_done(P, q, ti.mb), 1u);
+        timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns());
       }
     }
   }
@@ -232,7 +237,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  for (int e = threadIdx.x; e <= P.L; e += blockDim.x) sm.off[e] = P.expert_off[q * (P.L + 1) + e];
+  for (int e = threadIdx.x; e <= P.L; e += blockDim.x) sm.off[e] = P.expert_off[part(P, q) * (P.L + 1) + e];
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -244,8 +249,16 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     ffn_consumer(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
-      __threadfence();
-      red_release_gpu_add(ctr_compute_done(P), 1u);
+      if (!P.peer_sync) {
+        __threadfence();
+        red_release_gpu_add(ctr_compute_done(P), 1u);
+      } else {
+        // pushes went to peers' memory: make them visible system-wide, then the last compute CTA of
+        // this rank tells every home rank that this rank's outputs have landed
+        __threadfence_system();
+        const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
+        if (atom_add_acq_rel_gpu(ctr_compute_done(P), 1u) == n_comp - 1) signal_peers(P, q, kSigDone);
+      }
     }
     return true;
   }

@@ -328,6 +328,7 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   mok::bwd::BwdParams P{};
   mok::Params& B = P.base;
   B.R = a->R; B.L = L; B.E = ws.E; B.H = H; B.F = F; B.K = a->K;
+  B.rank0 = 0; B.nparts = a->R; B.peer_sync = 0;  // emulated EP: every rank in this launch
   B.comm_sms = a->comm_sms; B.ctas_per_rank = cpr; B.ring_slots = a->ring_slots; B.minibatch = a->minibatch;
   B.mt_max = ws.mt_max;
   B.mb_cap = ws.mb_cap;

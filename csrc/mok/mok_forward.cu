@@ -1,23 +1,27 @@
 // MoK forward megakernel (BF16): schedule -> pull dispatch -> expert FFN (fc1, SwiGLU, fc2)
 // -> push combine -> top-k weighted sum, all in ONE persistent cooperative kernel launch.
 //
-// Grid: R virtual ranks x ctas_per_rank CTAs (1 CTA per SM, 384 threads). In each rank's partition
-// the first comm_sms CTAs do pull dispatch (and the final weighted sum), the rest run the
-// warp-specialized WGMMA expert FFN. Ranks only see each other through the per-rank table.
+// Grid: P partitions x ctas_per_rank CTAs (1 CTA per SM, 384 threads), one partition per rank run
+// by this launch. In each partition the first comm_sms CTAs do pull dispatch (and the final weighted
+// sum), the rest run the warp-specialized WGMMA expert FFN. Ranks only see each other through the
+// per-rank table, so the same device code serves
+//   * emulated EP: all R ranks in one launch on one GPU (P = R), and
+//   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
+//     ranks meet at start / compute-done on their signal pads (peer_sync.cuh).
 //
 // Host side: a torch-independent extern "C" API (ctypes), every CUDA call checked.
 //   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs
 //   mok_forward_emulated_launch(args, stream, errbuf, errlen) -> 0 on success
+//   mok_forward_rank_launch(args, stream, errbuf, errlen)     -> 0 on success
 //   mok_device_info(dev, &num_sms, &major, &minor)
-// A future real-EP entry (one rank per GPU, peer pointers from torch symmetric memory) would fill
-// the same RankTable with peer pointers and launch the same kernel with R = 1 partition per GPU;
-// see the REAL_EP note at the bottom.
 #include "common.cuh"
 #include "expert_ffn.cuh"
+#include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
 #include "push_combine.cuh"
 #include "ring_buffer.cuh"
 #include "schedule.cuh"
+#include "timeline.cuh"
 #include "timeout.cuh"
 
 #include <algorithm>
@@ -29,10 +33,25 @@
 
 namespace mok {
 
+// Before the final weighted sum of rank q: every rank's expert outputs have been pushed.
+__device__ __forceinline__ bool wait_all_computed(const Params& P, int q, int n_comp) {
+  if (P.peer_sync) return wait_peers(P, q, kSigDone, kPhasePeerDone);
+  return wait_counter_geq(P, ctr_compute_done(P), (unsigned)(P.R * n_comp), q, -1, kPhaseComputeDone, 2);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_constant__ Params P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const unsigned long long t_entry = globaltimer_ns();
+
+  // ---- per-rank launch: meet every peer (their inputs are published, previous call finished) ----
+  if (P.peer_sync) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) signal_peers(P, P.rank0, kSigStart);
+    if (threadIdx.x == 0) s_flag = wait_peers(P, P.rank0, kSigStart, kPhasePeerStart) ? 1 : 0;
+    __syncthreads();
+    if (!s_flag) return;
+  }
 
   // ---- schedule (all CTAs) ----
   schedule_count(P);
@@ -41,30 +60,38 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
   if (!grid_barrier(P, 3, &s_flag)) return;
+  if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
   // ---- SM roles ----
-  const int q = blockIdx.x / P.ctas_per_rank;
+  const int q = P.rank0 + blockIdx.x / P.ctas_per_rank;
   const int local = blockIdx.x % P.ctas_per_rank;
   const int n_comp = P.ctas_per_rank - P.comm_sms;
   const int warp = threadIdx.x >> 5;
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
-  const unsigned all_compute = (unsigned)(P.R * n_comp);
   if (local < P.comm_sms) {
     if (!dispatch_role(P, q, local, &s_flag)) return;
-    if (threadIdx.x == 0)
-      s_flag = wait_counter_geq(P, ctr_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
+    const unsigned long long t0 = globaltimer_ns();
     if (!MOK_DBG(1)) combine_reduce(P, q, local * kWarps + warp, nworkers);
+    if (P.timeline) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+    }
   } else {
     if (!compute_role(P, q, smem)) return;  // producer warpgroup leaves here
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
-    if (threadIdx.x == 128)
-      *flag = wait_counter_geq(P, ctr_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    if (threadIdx.x == 128) *flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     named_bar_sync(1, 256);
     if (!*flag) return;
+    const unsigned long long t0 = globaltimer_ns();
     if (!MOK_DBG(1)) combine_reduce(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    if (P.timeline) {
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+    }
   }
 }
 
@@ -96,6 +123,14 @@ struct MokLaunchArgs {
   unsigned long long workspace;
   unsigned long long workspace_bytes;
   unsigned long long err;           // device int32[8]
+  // Per-rank launch (mok_forward_rank_launch) only; the emulated launch ignores these:
+  int rank;                         // this launch runs rank `rank`; -1 = emulated (all R ranks)
+  unsigned epoch;                   // call number >= 1, the same on every rank
+  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[3*72])
+  // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
+  unsigned long long timeline;
+  unsigned long long timeline_count;
+  int timeline_cap;
 };
 
 }  // extern "C"
@@ -144,9 +179,13 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   return true;
 }
 
+// Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
+int launch_parts(const MokLaunchArgs* a) { return a->rank >= 0 ? 1 : a->R; }
+
 WsLayout plan(const MokLaunchArgs* a) {
   WsLayout w{};
   w.E = a->R * a->L;
+  const int np = launch_parts(a);
   long long entries = 0;
   int chunks = 0;
   for (int r = 0; r < a->R; ++r) {
@@ -161,16 +200,16 @@ WsLayout plan(const MokLaunchArgs* a) {
   const size_t S = a->ring_slots, M = a->minibatch;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
-  w.tmaps = take((size_t)(3 * w.E + 2 * a->R) * sizeof(CUtensorMap));
+  w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
-  w.ring = take((size_t)a->R * S * M * a->H * 2);
-  w.act = take((size_t)a->R * S * M * a->F * 2);
-  w.layout = take((size_t)a->R * (size_t)w.layout_cap * sizeof(int2));
+  w.ring = take((size_t)np * S * M * a->H * 2);
+  w.act = take((size_t)np * S * M * a->F * 2);
+  w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
-  w.expert_off = take((size_t)a->R * (a->L + 1) * 4);
+  w.expert_off = take((size_t)np * (a->L + 1) * 4);
   w.zero_begin = off;
-  w.counters = take((size_t)mok::ctr_count(a->R, w.mb_cap, w.mt_max) * 4);
+  w.counters = take((size_t)mok::ctr_count(np, w.mb_cap, w.mt_max) * 4);
   w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
   w.zero_end = off;
   w.total = off;
@@ -270,8 +309,23 @@ int mok_device_info(int device, int* num_sms, int* major, int* minor) {
   return 0;
 }
 
-int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+}  // extern "C"
+
+namespace {
+
+// One launch of the forward kernel for ranks [rank0, rank0 + np): np = R (emulated EP, rank = -1) or
+// np = 1 (per-rank launch of rank `rank`, peers met through their signal pads).
+int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return 1;
+  const int np = launch_parts(a);
+  const int rank0 = a->rank >= 0 ? a->rank : 0;
+  if (a->rank >= 0) {
+    if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
+    if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
+    if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
+    for (int r = 0; r < a->R; ++r)
+      if (!a->signal[r]) return write_err(errbuf, errlen, "signal pad of rank %d is null", r);
+  }
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0, max_blocks = 0;
@@ -279,11 +333,11 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   const WsLayout ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / a->R;
+  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
   if (cpr < 2 || cpr - a->comm_sms < 1)
     return write_err(errbuf, errlen,
-                     "R=%d ranks on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", a->R, num_sms,
-                     cpr, a->comm_sms);
+                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
+                     np, num_sms, cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
   static int cached_smem[64] = {0}, cached_blocks[64] = {0};  // per device: attribute set once per size
   const int dslot = a->device & 63;
@@ -294,8 +348,8 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
     cached_smem[dslot] = smem;
   }
   max_blocks = cached_blocks[dslot];
-  if ((long long)a->R * cpr > (long long)max_blocks * num_sms)
-    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", a->R, cpr, num_sms,
+  if ((long long)np * cpr > (long long)max_blocks * num_sms)
+    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
                      max_blocks);
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
@@ -307,26 +361,26 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F, S = a->ring_slots, M = a->minibatch;
-  for (int g = 0; g < ws.E; ++g) {
+  for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
     const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
     char what[64];
-    snprintf(what, sizeof(what), "w1[expert %d] gate", g);
+    snprintf(what, sizeof(what), "w1[expert %d] gate", rank0 * L + g);
     if (!encode_2d(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols, errbuf, errlen, what)) return 1;
-    snprintf(what, sizeof(what), "w1[expert %d] up", g);
+    snprintf(what, sizeof(what), "w1[expert %d] up", rank0 * L + g);
     if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
                    errbuf, errlen, what))
       return 1;
-    snprintf(what, sizeof(what), "w2[expert %d]", g);
+    snprintf(what, sizeof(what), "w2[expert %d]", rank0 * L + g);
     if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, what)) return 1;
   }
-  for (int q = 0; q < a->R; ++q) {
-    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.ring) + (size_t)q * S * M * H;
-    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.act) + (size_t)q * S * M * F;
-    if (!encode_2d(&maps[3 * ws.E + 2 * q], ring, H, (unsigned long long)S * M, H, mok::kBK, mok::kBM, errbuf, errlen,
-                   "ring"))
+  for (int p = 0; p < np; ++p) {
+    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.ring) + (size_t)p * S * M * H;
+    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.act) + (size_t)p * S * M * F;
+    if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBK, mok::kBM, errbuf,
+                   errlen, "ring"))
       return 1;
-    if (!encode_2d(&maps[3 * ws.E + 2 * q + 1], act, F, (unsigned long long)S * M, F, mok::kBK, mok::kBM, errbuf,
+    if (!encode_2d(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * M, F, mok::kBK, mok::kBM, errbuf,
                    errlen, "act"))
       return 1;
   }
@@ -340,6 +394,7 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
     rt[r].out = reinterpret_cast<__nv_bfloat16*>(a->out[r]);
     rt[r].combine = reinterpret_cast<__nv_bfloat16*>(a->combine[r]);
     rt[r].tokens_per_expert = reinterpret_cast<int*>(a->tpe[r]);
+    rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
     rt[r].T = (int)a->T[r];
     rt[r].entry_base = (int)entry_base;
     rt[r].chunk_base = chunk_base;
@@ -349,6 +404,7 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
 
   mok::Params P{};
   P.R = a->R; P.L = L; P.E = ws.E; P.H = H; P.F = F; P.K = a->K;
+  P.rank0 = rank0; P.nparts = np; P.peer_sync = a->rank >= 0 ? 1 : 0; P.epoch = a->epoch;
   P.comm_sms = a->comm_sms; P.ctas_per_rank = cpr; P.ring_slots = S; P.minibatch = M;
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
@@ -376,14 +432,21 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   P.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   P.err = reinterpret_cast<int*>(a->err);
+  P.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);
+  P.timeline_count = reinterpret_cast<unsigned*>(a->timeline_count);
+  P.timeline_cap = a->timeline ? a->timeline_cap : 0;
+  if (a->timeline && (a->timeline_cap < 1 || !a->timeline_count))
+    return write_err(errbuf, errlen, "timeline buffer needs timeline_cap >= 1 and a count array");
 
   MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ring, cudaMemcpyHostToDevice, stream));
   MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
+  if (a->timeline)
+    MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
 
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(a->R * cpr));
+  cfg.gridDim = dim3((unsigned)(np * cpr));
   cfg.blockDim = dim3(mok::kThreads);
   cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
@@ -391,16 +454,34 @@ int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* 
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
+  // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
+  const char* coop = getenv("MOK_COOPERATIVE");
+  cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
   MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::mok_forward_kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// Emulated EP: all R ranks' partitions in one launch on one GPU (a->rank is ignored).
+int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  MokLaunchArgs b = *a;
+  b.rank = -1;
+  return forward_launch(&b, stream_ptr, errbuf, errlen);
+}
+
+// Per-rank launch of rank a->rank (real EP: one per GPU, x/idx/combine/signal are symmetric-memory
+// peer pointers; w1/w2/w1_ld/w2_ld hold this rank's L experts only). Every rank must launch with the
+// same epoch and token count; the kernel meets the peers on their signal pads and reports a peer
+// that never arrives (timeout) or announces another token count.
+int mok_forward_rank_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
+  return forward_launch(a, stream_ptr, errbuf, errlen);
+}
+
 }  // extern "C"
 
-// REAL_EP: a multi-GPU entry would (1) rendezvous torch symmetric-memory buffers for x, combine_buf,
-// counts and the ring, (2) fill RankTable[r] with buffer_ptrs[r]-based peer pointers, (3) replace the
-// grid barriers of the schedule and the compute_done wait by signal-pad barriers at .sys scope, and
-// (4) launch mok_forward_kernel on each GPU with its own partition (R x ctas_per_rank -> 1 x num_sms).
-// Not implemented yet.

@@ -5,6 +5,7 @@
 #pragma once
 #include "common.cuh"
 #include "ring_buffer.cuh"
+#include "timeline.cuh"
 #include "timeout.cuh"
 
 namespace mok {
@@ -34,14 +35,14 @@ __device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, c
 
 // Returns false if the kernel is aborting.
 __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
-  const int N = P.expert_off[q * (P.L + 1) + P.L];
+  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
   const int M = P.minibatch, S = P.ring_slots, H = P.H;
   const int nmb = num_minibatches(N, M);
-  const int* off = P.expert_off + q * (P.L + 1);
+  const int* off = P.expert_off + part(P, q) * (P.L + 1);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gw = c * kWarps + warp;
   const int stride = P.comm_sms * kWarps;
-  const int2* layout = P.layout + (long long)q * P.layout_cap;
+  const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
   for (int i = 0; i < nmb; ++i) {
     const int s = i % S;
     if (i >= S) {  // wait until minibatch i-S (same slot) has been fully combined
@@ -53,8 +54,9 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
       __syncthreads();
       if (!*s_flag) return false;
     }
+    const unsigned long long t0 = globaltimer_ns();
     const int a = i * M, b = min(a + M, N);
-    __nv_bfloat16* slot = P.ring + ((long long)(q * S + s) * M) * H;
+    __nv_bfloat16* slot = P.ring + ((long long)(part(P, q) * S + s) * M) * H;
     for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
       const int2 src = layout[row];
       const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
@@ -62,6 +64,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
     }
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     __syncthreads();
+    if (threadIdx.x == 0) timeline_record(P, kTlDispatch, (unsigned)i, t0, globaltimer_ns());
     if (threadIdx.x == 0 && !(q == P.stall_rank && s == P.stall_slot)) {
       __threadfence();
       red_release_gpu_add(ctr_ready(P, q, i), 1u);

@@ -6,7 +6,10 @@
 //      Also validates indices and zeroes combine rows of unused (-1) slots.
 //   B  one warp per expert: exclusive scan of the chunk counts over chunks (chunks are ordered by
 //      (src rank, token)), giving each chunk's base inside the expert; expert totals.
-//   C  every CTA derives the expert offsets of every owner (smem), then writes the layout rows.
+//   C  every CTA derives the expert offsets of every owner (smem), then writes the layout rows of the
+//      owners that run in this launch (all of them in emulated EP, its own rank in a per-rank launch).
+// A per-rank launch reads every rank's topk_idx through peer pointers and repeats A/B for all ranks:
+// the owner needs every source's routing to know what to pull, and it costs T*K*4 bytes per peer.
 #pragma once
 #include "common.cuh"
 #include "timeout.cuh"
@@ -54,7 +57,8 @@ __device__ void schedule_count(const Params& P) {
       }
       __syncwarp();
       // zero the combine rows of unused slots (idx == -1): combine_buf is defined as 0 there
-      unsigned inval = __ballot_sync(0xffffffffu, ent < e1 && !valid);
+      // (only the home rank's own launch writes its combine buffer)
+      unsigned inval = __ballot_sync(0xffffffffu, ent < e1 && !valid && in_launch(P, r));
       while (inval) {
         const int src = __ffs(inval) - 1;
         inval &= inval - 1;
@@ -96,17 +100,18 @@ __device__ void schedule_place(const Params& P, int* s_start) {
   __syncthreads();
   if (threadIdx.x < P.R) {
     const int q = threadIdx.x;
+    const bool mine = blockIdx.x == 0 && in_launch(P, q);
     int run = 0;
     for (int e = 0; e < P.L; ++e) {
       const int tot = s_start[q * P.L + e];
       s_start[q * P.L + e] = run;
-      if (blockIdx.x == 0) {
-        P.expert_off[q * (P.L + 1) + e] = run;
+      if (mine) {
+        P.expert_off[part(P, q) * (P.L + 1) + e] = run;
         P.ranks[q].tokens_per_expert[e] = tot;
       }
       run += tot;
     }
-    if (blockIdx.x == 0) P.expert_off[q * (P.L + 1) + P.L] = run;
+    if (mine) P.expert_off[part(P, q) * (P.L + 1) + P.L] = run;
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -122,9 +127,10 @@ __device__ void schedule_place(const Params& P, int* s_start) {
       const int ex = rt.idx[ent];
       if (ex < 0 || ex >= P.E) continue;
       const int q = ex / P.L;
+      if (!in_launch(P, q)) continue;  // another launch lays out its own experts
       const long long pos = (long long)s_start[ex] + P.chunk_counts[(long long)ex * P.num_chunks + g] +
                             P.local_rank[rt.entry_base + ent];
-      P.layout[(long long)q * P.layout_cap + pos] = make_int2(r, ent);
+      P.layout[(long long)part(P, q) * P.layout_cap + pos] = make_int2(r, ent);
     }
   }
 }

@@ -10,6 +10,8 @@ Contract (used by the dispatcher):
   mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms, ring_slots, minibatch_tokens,
                        timeout_ms=10000.0, debug_stall=None)
       -> (out[r] [T_r, H] bf16, combine_buf[r] [T_r, K, H] bf16, tokens_per_expert[q] [L] int32)
+  PeerBuffers / mok_forward_rank (peer_ep.py): per-rank launches, real EP over torch symmetric memory
+  Timeline (timeline.py): optional in-kernel per-SM timeline of a forward launch
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from __future__ import annotations
 from .availability import KernelAvailability
 from .emulated import MOK_MAX_RANKS, check_last_error, check_pending_errors, mok_forward_emulated
 from .errors import MokKernelError
+from .peer_ep import PeerBuffers, mok_forward_rank
+from .timeline import Timeline
 
 __all__ = [
     "MOK_MAX_RANKS",
     "MokKernelError",
+    "PeerBuffers",
+    "Timeline",
     "build_library",
     "check_last_error",
     "check_pending_errors",
     "compile_only",
     "is_available",
     "mok_forward_emulated",
+    "mok_forward_rank",
     "unavailable_reason",
 ]
 

@@ -27,6 +27,9 @@ _PHASES = {
     5: "compute-done (final combine waits for all ranks' expert pushes)",
     6: "internal smem pipeline",
     7: "schedule",
+    8: "peer start signal (a peer rank has not launched this call)",
+    9: "peer compute-done signal (a peer rank has not finished its experts)",
+    10: "peer token count",
 }
 
 
@@ -59,6 +62,14 @@ class _Args(ctypes.Structure):
         ("workspace", ctypes.c_ulonglong),
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
+        # per-rank launch only (mok_forward_rank_launch; see peer_ep.py)
+        ("rank", ctypes.c_int),
+        ("epoch", ctypes.c_uint),
+        ("signal", ctypes.c_void_p),
+        # optional in-kernel timeline (see Timeline)
+        ("timeline", ctypes.c_ulonglong),
+        ("timeline_count", ctypes.c_ulonglong),
+        ("timeline_cap", ctypes.c_int),
     ]
 
 
@@ -81,13 +92,9 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.mok_workspace_bytes.restype = ctypes.c_longlong
         lib.mok_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
-        lib.mok_forward_emulated_launch.restype = ctypes.c_int
-        lib.mok_forward_emulated_launch.argtypes = [
-            ctypes.POINTER(_Args),
-            ctypes.c_void_p,
-            ctypes.c_char_p,
-            ctypes.c_int,
-        ]
+        for fn in (lib.mok_forward_emulated_launch, lib.mok_forward_rank_launch):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.mok_device_info.restype = ctypes.c_int
         lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.mok_version.restype = ctypes.c_char_p
@@ -217,6 +224,7 @@ def mok_forward_emulated(
     debug_stall: tuple[int, int] | None = None,
     ctas_per_rank: int = 0,
     check: bool | str = True,
+    timeline=None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring."""
     R, L, H, F, K, device = _validate(
@@ -277,6 +285,9 @@ def mok_forward_emulated(
     args.workspace = ws.data_ptr()
     args.workspace_bytes = ws.numel()
     args.err = err.data_ptr()
+    args.rank = -1  # all R ranks in this launch
+    if timeline is not None:  # megatron_mok.kernel.timeline.Timeline
+        args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
 
     stream = torch.cuda.current_stream(device)
     ebuf = ctypes.create_string_buffer(1024)

@@ -18,10 +18,20 @@ class MokKernelError(RuntimeError):
 def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: str, phases: Mapping[int, str]) -> str:
     code, rank, slot, phase, expected, seen, extra, block = err[:8]
     pname = phases.get(phase, f"phase {phase}")
+    if code == 1 and phase in (8, 9):  # per-rank launches: `extra` is the peer that did not signal
+        return (
+            f"{kernel} timed out: rank {rank} waiting for {pname}: rank {extra} did not signal call {expected} "
+            f"(its flag reads {seen}) within {timeout_ms:g} ms (CTA {block})"
+        )
     if code == 1:
         return (
             f"{kernel} timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
             f"saw {seen} after {timeout_ms:g} ms (CTA {block})"
+        )
+    if code == 4:
+        return (
+            f"{kernel}: rank {extra} runs {seen} tokens but rank {rank} was launched for {expected}: every EP rank "
+            "must call the layer with the same number of tokens"
         )
     if code == 2:
         return (

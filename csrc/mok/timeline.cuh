@@ -1,0 +1,43 @@
+// Optional in-kernel timeline: per-CTA intervals (globaltimer ns) of what each SM was doing, so users
+// can see the overlap of dispatch, expert GEMMs and combine (scripts/timeline.py renders them).
+// Off unless the launcher passes a buffer (P.timeline == nullptr: one predictable branch per event).
+#pragma once
+#include "common.cuh"
+
+namespace mok {
+
+enum TimelineKind : unsigned {
+  kTlSchedule = 0,  // kernel entry -> schedule done (incl. the peer start wait of per-rank launches)
+  kTlDispatch = 1,  // pull dispatch of one minibatch into its ring slot (aux = minibatch)
+  kTlFc1 = 2,       // one fc1 + SwiGLU tile (aux = minibatch)
+  kTlFc2 = 3,       // one fc2 tile incl. its push-combine stores (aux = minibatch)
+  kTlCombine = 4,   // final top-k weighted sum (after every rank's pushes landed)
+};
+
+// One event; the host reads them as int64[4]: {kind | smid << 8 | aux << 16, unused, t0, t1}.
+struct TimelineEvent {
+  unsigned tag;
+  unsigned unused;
+  unsigned long long t0, t1;
+};
+
+__device__ __forceinline__ unsigned smid() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+
+__device__ __forceinline__ void timeline_record(const Params& P, unsigned kind, unsigned aux,
+                                                unsigned long long t0, unsigned long long t1) {
+  if (P.timeline == nullptr) return;
+  const unsigned i = atomicAdd(P.timeline_count + blockIdx.x, 1u);
+  if (i >= (unsigned)P.timeline_cap) return;  // full: later events of this CTA are dropped (count tells)
+  TimelineEvent ev;
+  ev.tag = kind | (smid() << 8) | (min(aux, 0xFFFFu) << 16);
+  ev.unused = 0;
+  ev.t0 = t0;
+  ev.t1 = t1;
+  P.timeline[(long long)blockIdx.x * P.timeline_cap + i] = ev;
+}
+
+}  // namespace mok

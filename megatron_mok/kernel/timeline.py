@@ -1,0 +1,130 @@
+"""In-kernel timeline of the MoK forward kernel (csrc/mok/timeline.cuh): per-SM intervals of
+schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final weighted sum.
+
+    tl = Timeline(cap=4096)
+    mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank(..., timeline=tl)
+    events = tl.events()                        # after the launch finished
+    render_png(events, "timeline.png")          # scripts/timeline.py does both
+
+Recording costs one globaltimer read and one store per event; without a Timeline the kernel skips it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+KINDS = {0: "schedule", 1: "dispatch", 2: "fc1", 3: "fc2", 4: "combine"}
+COLORS = {"schedule": "#999999", "dispatch": "#1f77b4", "fc1": "#2ca02c", "fc2": "#98df8a", "combine": "#d62728"}
+
+
+@dataclass
+class TimelineEvent:
+    cta: int
+    sm: int
+    kind: str
+    minibatch: int
+    start_us: float
+    end_us: float
+
+
+class Timeline:
+    """Device buffers for one launch's events (grid x cap, 24 bytes each) and per-CTA counts."""
+
+    def __init__(self, cap: int = 4096) -> None:
+        if cap < 1:
+            raise ValueError(f"Timeline cap must be >= 1, got {cap}")
+        self.cap = cap
+        self.grid = 0
+        self.buf: torch.Tensor | None = None  # int64 [grid, cap, 3]: {tag, t0, t1}
+        self.count: torch.Tensor | None = None  # int32 [grid]
+
+    def prepare(self, grid: int, device: torch.device) -> tuple[int, int, int]:
+        """Allocate for ``grid`` CTAs; returns (events ptr, counts ptr, cap) for the launcher."""
+        if self.buf is None or self.grid != grid or self.buf.device != device:
+            self.grid = grid
+            self.buf = torch.zeros((grid, self.cap, 3), dtype=torch.int64, device=device)
+            self.count = torch.zeros((grid,), dtype=torch.int32, device=device)
+        return self.buf.data_ptr(), self.count.data_ptr(), self.cap
+
+    def events(self) -> list[TimelineEvent]:
+        """Decode (synchronises); times in microseconds from the earliest event."""
+        if self.buf is None or self.count is None:
+            return []
+        torch.cuda.synchronize(self.buf.device)
+        counts = self.count.cpu().tolist()
+        raw = self.buf.cpu()
+        rows = []
+        for cta, n in enumerate(counts):
+            for tag, t0, t1 in raw[cta, : min(n, self.cap)].tolist():
+                rows.append((cta, tag & 0xFFFFFFFF, t0, t1))
+        if not rows:
+            return []
+        base = min(r[2] for r in rows)
+        return [
+            TimelineEvent(
+                cta=cta,
+                sm=(tag >> 8) & 0xFF,
+                kind=KINDS.get(tag & 0xFF, f"kind{tag & 0xFF}"),
+                minibatch=tag >> 16,
+                start_us=(t0 - base) / 1e3,
+                end_us=(t1 - base) / 1e3,
+            )
+            for cta, tag, t0, t1 in rows
+        ]
+
+    def dropped(self) -> int:
+        """Events lost because a CTA recorded more than ``cap``."""
+        if self.count is None:
+            return 0
+        return int((self.count.cpu() - self.cap).clamp(min=0).sum())
+
+
+def save_json(events: list[TimelineEvent], path: str, meta: dict | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta or {}, "events": [asdict(e) for e in events]}, f)
+
+
+def load_json(path: str) -> tuple[list[TimelineEvent], dict]:
+    with open(path) as f:
+        d = json.load(f)
+    return [TimelineEvent(**e) for e in d["events"]], d.get("meta", {})
+
+
+def summarize(events: list[TimelineEvent]) -> dict:
+    """Busy time per kind (SM-microseconds) and the span of the launch."""
+    span = max((e.end_us for e in events), default=0.0)
+    busy: dict[str, float] = {}
+    for e in events:
+        busy[e.kind] = busy.get(e.kind, 0.0) + (e.end_us - e.start_us)
+    return {"span_us": span, "busy_sm_us": busy}
+
+
+def render_png(events: list[TimelineEvent], path: str, title: str = "MoK forward kernel timeline") -> None:
+    """One row per CTA (= SM), one bar per event, coloured by kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    ctas = sorted({e.cta for e in events})
+    fig, ax = plt.subplots(figsize=(14, max(4.0, 0.06 * len(ctas) + 2)))
+    for kind, color in COLORS.items():
+        segs: dict[int, list[tuple[float, float]]] = {}
+        for e in events:
+            if e.kind == kind:
+                segs.setdefault(e.cta, []).append((e.start_us, max(e.end_us - e.start_us, 0.05)))
+        for cta, bars in segs.items():
+            ax.broken_barh(bars, (cta - 0.4, 0.8), facecolors=color, linewidth=0)
+    ax.set_xlabel("time (us)")
+    ax.set_ylabel("CTA (one per SM; comm CTAs first in each rank's partition)")
+    ax.set_ylim(-1, len(ctas))
+    ax.invert_yaxis()
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
