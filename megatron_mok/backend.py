@@ -48,9 +48,17 @@ def kernel_unavailable_reason(
         return kernel.unavailable_reason()
     if dtype != "bf16":
         return f"kernel dtype {dtype} is not built yet (bf16 only)"
-    if world_size != 1:
-        return "multi-process EP over symmetric memory is not wired to the kernel yet (emulated EP only)"
+    if world_size != 1 and not _symmetric_memory_available():
+        return "EP > 1 needs torch symmetric memory (torch.distributed._symmetric_memory), not available here"
     return None
+
+
+def _symmetric_memory_available() -> bool:
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
 
 
 def select_backend(

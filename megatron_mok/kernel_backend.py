@@ -5,6 +5,10 @@ Backward: the MoK backward kernel (schedule, pull reverse-combine of output grad
 router-weight gradient, fc1 recompute + SwiGLU backward + dgrad, push reverse-dispatch, top-k sum),
 then the expert weight gradients as per-expert fp32 GEMMs on the layout-order buffers it leaves.
 ``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
+
+EP > 1 (one process per GPU, NCCL group): the forward is the same kernel launched per rank over torch
+symmetric memory (``kernel.peer_ep``); the backward runs the reference algorithm over the process
+group (the backward kernel has no per-rank launch yet). Every EP rank must pass the same token count.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import os
 import torch
 
 from .layout import compute_layout, num_minibatches
-from .reference import MokPlan, mok_backward
+from .reference import MokPlan, mok_backward, pull_into
 
 
 class KernelBackend:
@@ -27,13 +31,81 @@ class KernelBackend:
         # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
         self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
         self.last_backward: str | None = None
+        self._peers = None  # kernel.PeerBuffers of EP > 1 (symmetric memory, per process group)
+
+    def _peer_buffers(self, tp, T: int, H: int, K: int, device):
+        from .kernel import PeerBuffers
+
+        b = self._peers
+        if b is None or b.region.tokens_cap < T or b.region.hidden != H or b.region.topk != K:
+            # collective over the EP group: every rank sees the same T (required) and so re-allocates together
+            group = getattr(tp, "group", None)
+            if group is None:
+                import torch.distributed as dist
+
+                group = dist.group.WORLD
+            cap = max(T, b.region.tokens_cap if b is not None else 0)
+            self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device)
+        return b
+
+    def _forward_peer(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2):
+        from .kernel import mok_forward_rank
+
+        tp = plan.transport
+        T, H = x.shape
+        K = topk_idx.shape[1]
+        bufs = self._peer_buffers(tp, T, H, K, x.device)
+        out, combine, _tpe = mok_forward_rank(
+            bufs,
+            x.detach().contiguous(),
+            topk_idx,
+            topk_w.detach().float().contiguous(),
+            [w.detach() for w in w1],
+            [w.detach() for w in w2],
+            comm_sms=self.comm_sms,
+            ring_slots=plan.ring.ring_slots,
+            minibatch_tokens=plan.ring.minibatch_tokens,
+            timeout_ms=self.timeout_ms,
+            check=self.check,
+        )
+        state = {
+            "x": x.detach(),
+            "topk_idx": topk_idx,
+            "all_w": None,  # gathered in backward
+            "combine_buf": combine.clone(),  # the symmetric buffer is reused by the next layer call
+            "saved_h": None,
+            "shape": (T, K, H),
+            "dtype": x.dtype,
+            "peer": True,
+        }
+        return out, state
+
+    def _backward_peer(self, plan: MokPlan, state, grad_out, w1, w2):
+        """Reference backward over the process group, after rebuilding what the kernel forward kept on
+        the device (routing of every rank, layout, the pulled x rows)."""
+        tp = plan.transport
+        all_idx = tp.all_gather(state.pop("topk_idx").long())
+        state["all_w"] = tp.all_gather(state.pop("topk_w_f32"))
+        layout = compute_layout(all_idx, tp.rank, plan.num_local_experts)
+        plan.layout = layout
+        n = layout.num_rows
+        x = state.pop("x")
+        saved_x = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
+        pull_into(tp, x, layout.src_rank, layout.src_token, saved_x)
+        state.update(
+            layout=layout, saved_x=saved_x, rounds=tp.all_reduce_max(num_minibatches(n, plan.ring.minibatch_tokens))
+        )
+        self.last_backward = "reference (EP > 1)"
+        return mok_backward(plan, state, grad_out, w1, w2)
 
     def forward(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2):
         from . import kernel
 
         tp = plan.transport
         if tp.world_size != 1:
-            raise RuntimeError("the MoK kernel backend runs EP=1 per process until symmetric-memory EP is wired")
+            out, state = self._forward_peer(plan, x, topk_idx, topk_w, w1, w2)
+            state["topk_w_f32"] = topk_w.detach().float()
+            return out, state
         T, H = x.shape
         K = topk_idx.shape[1]
         out, combine, _tpe = kernel.mok_forward_emulated(
@@ -66,6 +138,8 @@ class KernelBackend:
         from . import kernel
 
         kernel.check_pending_errors(wait=True)  # the forward's error record, before using its output
+        if state.get("peer"):
+            return self._backward_peer(plan, state, grad_out, w1, w2)
         from .kernel import backward as bwd
 
         if os.environ.get("MOK_BACKWARD", "kernel") != "reference" and bwd.is_available():

@@ -124,6 +124,8 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per rank (NCCL refuses two ranks on one device)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         from megatron.core import parallel_state

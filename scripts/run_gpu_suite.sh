@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
-# library, run the GPU tests, run the benchmark. Logs go to $OUT (or ./gpu_logs).
+# library, run the GPU tests, record the kernel timeline, run the benchmark. Logs go to $OUT (or ./gpu_logs).
 #   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
-# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_BENCH=0 skips the benchmark, MOK_PYTEST_PATHS (tests/gpu),
+# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timeline, MOK_SUITE_BENCH=0 the benchmark, MOK_PYTEST_PATHS (tests/gpu),
 #      MOK_PYTEST_ARGS overrides "-x -q".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +36,10 @@ if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
   echo "== tests"
   timeout ${MOK_TEST_TIMEOUT:-300} python3 -m pytest -m gpu ${MOK_PYTEST_PATHS:-tests/gpu} ${MOK_PYTEST_ARGS:--x -q} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
   rc=${PIPESTATUS[0]}
+fi
+if [ "${MOK_SUITE_TIMELINE:-1}" != "0" ]; then
+  echo "== timeline"
+  timeout 120 python3 scripts/timeline.py --config kimi-k2 --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log"
 fi
 if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
   echo "== bench"
