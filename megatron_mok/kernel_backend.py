@@ -108,6 +108,14 @@ class KernelBackend:
             return out, state
         T, H = x.shape
         K = topk_idx.shape[1]
+        F = w2[0].shape[1]
+        # save-vs-recompute (config kernel.save_fc1_output): the forward kernel keeps h = [gate | up] in
+        # layout order (every routed row of this rank: T * K at EP = 1) and the backward skips fc1
+        saved_h = (
+            [torch.empty((max(1, T * K), 2 * F), dtype=torch.bfloat16, device=x.device)]
+            if plan.save_fc1_output
+            else None
+        )
         out, combine, _tpe = kernel.mok_forward_emulated(
             [x.detach().contiguous()],
             [topk_idx.to(torch.int32).contiguous()],
@@ -119,6 +127,7 @@ class KernelBackend:
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
             check=self.check,
+            saved_h=saved_h,
         )
         # Nothing here reads device values on the host (errors are checked lazily): the layout the
         # interim backward needs is
@@ -128,7 +137,8 @@ class KernelBackend:
             "topk_idx": topk_idx,
             "all_w": [topk_w.detach().float()],
             "combine_buf": combine[0].view(T, K, H),
-            "saved_h": None,  # recomputed in backward
+            "saved_h": None,  # the reference fallback recomputes
+            "kernel_saved_h": saved_h,  # bf16 h kept by the forward kernel, or None: the kernel recomputes
             "shape": (T, K, H),
             "dtype": x.dtype,
         }
@@ -157,6 +167,7 @@ class KernelBackend:
                 minibatch_tokens=plan.ring.minibatch_tokens,
                 timeout_ms=self.timeout_ms,
                 wgrad="mm",
+                saved_h=state.get("kernel_saved_h"),
             )
             self.last_backward = "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]

@@ -73,6 +73,7 @@ struct RankTable {
   int chunk_base;               // sum_{r'<r} ceil(T_r' / kChunkTokens)
   int pad;
   unsigned* signal;             // [kSigKinds][MOK_MAX_RANKS] rank r's signal pad (per-rank launches only)
+  __nv_bfloat16* saved_h;       // owner: [layout rows, 2F] fc1 output kept for the backward, or null
 };
 
 // Signal pad of a rank (per-rank launches): slot [kind][src] is written by rank src with the call's

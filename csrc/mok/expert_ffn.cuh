@@ -194,6 +194,30 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           if (dst != nullptr && c < F && !MOK_DBG(4)) *reinterpret_cast<uint4*>(dst + c) = v;
         }
       }
+      // Keep the fc1 output h = [gate | up] (bf16, layout order) for the backward when it does not
+      // recompute fc1 (the user's save-vs-recompute choice); rows of this tile, columns of this n-tile.
+      __nv_bfloat16* const hs = P.ranks[q].saved_h;
+      if (hs != nullptr) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_lo + 8 * h;
+          __nv_bfloat16* dst = r < ti.rows ? hs + ((long long)ti.row0 + r) * 2 * F : nullptr;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {  // 0: gate (acc j < 16), 1: up (acc j >= 16)
+#pragma unroll
+            for (int j0 = 0; j0 < 16; j0 += 4) {
+              const int j = j0 + 16 * half;
+              const uint4 v = quad_transpose(pack_bf16x2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]),
+                                             pack_bf16x2(acc[4 * (j + 1) + 2 * h], acc[4 * (j + 1) + 2 * h + 1]),
+                                             pack_bf16x2(acc[4 * (j + 2) + 2 * h], acc[4 * (j + 2) + 2 * h + 1]),
+                                             pack_bf16x2(acc[4 * (j + 3) + 2 * h], acc[4 * (j + 3) + 2 * h + 1]),
+                                             lane);
+              const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));
+              if (dst != nullptr && c < F) *reinterpret_cast<uint4*>(dst + half * F + c) = v;
+            }
+          }
+        }
+      }
       fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {

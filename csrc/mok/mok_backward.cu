@@ -101,6 +101,9 @@ struct MokBwdArgs {
   unsigned long long workspace;
   unsigned long long workspace_bytes;
   unsigned long long err;             // device int32[8]
+  // Optional host [R] (0 = recompute): forward's fc1 output [cap, 2F] bf16 in layout order (kept by the
+  // forward kernel with saved_h); stage 1 then reads h instead of recomputing x @ W1^T.
+  const unsigned long long* saved_h;
 };
 
 }  // extern "C"
@@ -323,6 +326,7 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     br[r].gyl = reinterpret_cast<__nv_bfloat16*>(a->gyl[r]);
     br[r].dh = reinterpret_cast<__nv_bfloat16*>(a->dh[r]);
     br[r].act = reinterpret_cast<__nv_bfloat16*>(a->act[r]);
+    br[r].saved_h = a->saved_h ? reinterpret_cast<const __nv_bfloat16*>(a->saved_h[r]) : nullptr;
   }
 
   mok::bwd::BwdParams P{};

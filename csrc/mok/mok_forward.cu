@@ -131,6 +131,10 @@ struct MokLaunchArgs {
   unsigned long long timeline;
   unsigned long long timeline_count;
   int timeline_cap;
+  // Optional: host [R] device ptrs (0 = none) of the owners' fc1-output buffers [saved_h_rows, 2F] bf16
+  // (layout order) that the backward reads instead of recomputing fc1; only this launch's ranks' are used.
+  const unsigned long long* saved_h;
+  long long saved_h_rows;
 };
 
 }  // extern "C"
@@ -319,6 +323,13 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (!validate(a, errbuf, errlen)) return 1;
   const int np = launch_parts(a);
   const int rank0 = a->rank >= 0 ? a->rank : 0;
+  if (a->saved_h) {  // an owner may receive every routed row: the buffer must hold them all
+    long long entries = 0;
+    for (int r = 0; r < a->R; ++r) entries += a->T[r] * a->K;
+    if (a->saved_h_rows < entries)
+      return write_err(errbuf, errlen, "saved_h buffer too small: %lld rows for up to %lld routed rows",
+                       a->saved_h_rows, entries);
+  }
   if (a->rank >= 0) {
     if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
     if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
@@ -395,6 +406,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     rt[r].combine = reinterpret_cast<__nv_bfloat16*>(a->combine[r]);
     rt[r].tokens_per_expert = reinterpret_cast<int*>(a->tpe[r]);
     rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
+    rt[r].saved_h = a->saved_h ? reinterpret_cast<__nv_bfloat16*>(a->saved_h[r]) : nullptr;
     rt[r].T = (int)a->T[r];
     rt[r].entry_base = (int)entry_base;
     rt[r].chunk_base = chunk_base;

@@ -142,6 +142,7 @@ class _Args(ctypes.Structure):
         ("workspace", ctypes.c_ulonglong),
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
+        ("saved_h", ctypes.c_void_p),
     ]
 
 
@@ -279,6 +280,7 @@ def mok_backward_emulated(
     ctas_per_rank: int = 0,
     check: bool = True,
     return_buffers: bool = False,
+    saved_h=None,
 ):
     """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
 
@@ -286,6 +288,8 @@ def mok_backward_emulated(
     combine_buf[r] [T_r, K, H] bf16 (the forward's unweighted expert outputs), w1[q][e] [2F, H] bf16,
     w2[q][e] [H, F] bf16. Returns (grad_x[r] bf16, grad_topk_weight[r] fp32 [T_r, K], grad_w1[q][e] fp32,
     grad_w2[q][e] fp32); wgrad="none" returns None for the weight gradients.
+    saved_h[q] [>= sum_r T_r * K, 2F] bf16: the forward kernel's fc1 output (``mok_forward_emulated(...,
+    saved_h=...)``); stage 1 then reads h instead of recomputing x @ W1^T (None: recompute).
     """
     if not isinstance(x, (list, tuple)) or not x:
         _fail("x must be a non-empty list of per-rank tensors")
@@ -366,6 +370,13 @@ def mok_backward_emulated(
     w1t = [[w1[q][e].t().contiguous() for e in range(L)] for q in range(R)]
 
     cap = max(1, sum(Ts) * K)  # rows per owner rank's layout-order buffers (upper bound, no host sync)
+    if saved_h is not None:
+        if not isinstance(saved_h, (list, tuple)) or len(saved_h) != R:
+            _fail(f"saved_h must be a list of {R} tensors (one per owner rank) or None")
+        for q, t in enumerate(saved_h):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < cap or t.shape[1] != 2 * F:
+                _fail(f"saved_h[{q}] must be [>= {cap}, {2 * F}] (every routed row may land on one owner)")
+            _check(t, f"saved_h[{q}]", torch.bfloat16, tuple(t.shape), device)
     bf = dict(dtype=torch.bfloat16, device=device)
     grad_x = [torch.empty((T, H), **bf) for T in Ts]
     grad_w = [torch.empty((T, K), dtype=torch.float32, device=device) for T in Ts]
@@ -401,6 +412,8 @@ def mok_backward_emulated(
     args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
     args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
     args.w1t = arr([w1t[q][e].data_ptr() for q in range(R) for e in range(L)])
+    if saved_h is not None:
+        args.saved_h = ptrs(saved_h)
 
     nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:

@@ -70,6 +70,9 @@ class _Args(ctypes.Structure):
         ("timeline", ctypes.c_ulonglong),
         ("timeline_count", ctypes.c_ulonglong),
         ("timeline_cap", ctypes.c_int),
+        # optional: owners' fc1-output buffers kept for the backward (see mok_forward_emulated)
+        ("saved_h", ctypes.c_void_p),
+        ("saved_h_rows", ctypes.c_longlong),
     ]
 
 
@@ -225,8 +228,13 @@ def mok_forward_emulated(
     ctas_per_rank: int = 0,
     check: bool | str = True,
     timeline=None,
+    saved_h=None,
 ):
-    """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring."""
+    """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
+
+    saved_h: optional list of R bf16 tensors [>= sum_r T_r * K, 2F]; owner q's fc1 output h = [gate | up]
+    lands in saved_h[q] in layout order, for ``mok_backward_emulated(..., saved_h=...)`` (no fc1 recompute).
+    """
     R, L, H, F, K, device = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
     )
@@ -288,6 +296,16 @@ def mok_forward_emulated(
     args.rank = -1  # all R ranks in this launch
     if timeline is not None:  # megatron_mok.kernel.timeline.Timeline
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
+    if saved_h is not None:
+        rows = sum(Ts) * K
+        if not isinstance(saved_h, (list, tuple)) or len(saved_h) != R:
+            _fail(f"saved_h must be a list of {R} tensors (one per owner rank) or None")
+        for q, t in enumerate(saved_h):
+            _check_tensor(t, f"saved_h[{q}]", torch.bfloat16, 2, device)
+            if t.shape[0] < rows or t.shape[1] != 2 * F or not t.is_contiguous():
+                _fail(f"saved_h[{q}] must be contiguous [>= {rows}, {2 * F}], got {tuple(t.shape)}")
+        args.saved_h = arr([t.data_ptr() for t in saved_h])
+        args.saved_h_rows = min(int(t.shape[0]) for t in saved_h)
 
     stream = torch.cuda.current_stream(device)
     ebuf = ctypes.create_string_buffer(1024)

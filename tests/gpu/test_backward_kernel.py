@@ -96,6 +96,7 @@ def _case(
     idx_override=None,
     wgrad="mm",
     chain_forward=False,
+    saved_h=False,
 ):
     from routings import make_topk
 
@@ -120,6 +121,10 @@ def _case(
     ring = RingSpec(minibatch_tokens=minibatch, ring_slots=ring_slots)
     ref = _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos)
     comb = [ref[r][1].view(tokens[r], K, H) for r in range(R)]
+    hs = None
+    if saved_h:  # the forward kernel keeps h (bf16) and the backward reads it instead of recomputing fc1
+        chain_forward = True
+        hs = [torch.full((sum(tokens) * K, 2 * F), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(R)]
     if chain_forward:
         from megatron_mok import kernel as fk
 
@@ -134,6 +139,7 @@ def _case(
             comm_sms=comm_sms,
             ring_slots=ring_slots,
             minibatch_tokens=minibatch,
+            saved_h=hs,
         )
     gx, gw, g1, g2 = bk.mok_backward_emulated(
         gos,
@@ -148,6 +154,7 @@ def _case(
         minibatch_tokens=minibatch,
         wgrad=wgrad,
         timeout_ms=4000.0,
+        saved_h=hs,
     )
     torch.cuda.synchronize()
     worst = {}
@@ -173,7 +180,9 @@ def _case(
         with open(log, "a") as f:
             f.write(
                 f"R={R} kind={kind} H={H} F={F} K={K} L={L} tokens={tokens} M={minibatch} S={ring_slots} "
-                f"wgrad={wgrad} chain={chain_forward}: " + " ".join(f"{k}={v:.3e}" for k, v in worst.items()) + "\n"
+                f"wgrad={wgrad} chain={chain_forward} saved_h={saved_h}: "
+                + " ".join(f"{k}={v:.3e}" for k, v in worst.items())
+                + "\n"
             )
     return worst
 
@@ -221,6 +230,34 @@ def test_backward_grouped_wgrad(bk):
 @pytest.mark.gpu
 def test_backward_chained_after_forward_kernel(bk):
     _case(bk, 2, "random", tokens=[640, 512], comm_sms=4, ring_slots=3, minibatch=256, seed=10, chain_forward=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["random", "empty_experts", "all_to_one"])
+def test_backward_with_saved_fc1_output(bk, R, kind):
+    # save instead of recompute: forward kernel writes h (buffers start as NaN: every read row must be
+    # written), backward stage 1 skips the fc1 GEMM
+    _case(bk, R, kind, comm_sms=2, ring_slots=2, minibatch=128, seed=40 + R, saved_h=True)
+
+
+@pytest.mark.gpu
+def test_backward_kimi_k2_slice_saved_fc1_output(bk):
+    _case(
+        bk,
+        1,
+        "random",
+        L=8,
+        H=7168,
+        F=2048,
+        K=8,
+        tokens=[2048],
+        comm_sms=16,
+        ring_slots=3,
+        minibatch=2560,
+        seed=13,
+        saved_h=True,
+    )
 
 
 @pytest.mark.gpu

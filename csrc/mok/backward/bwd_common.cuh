@@ -23,6 +23,7 @@ struct BwdRank {
   __nv_bfloat16* gyl;             // [cap, H]  owner: w * grad_out rows, layout order (bf16)
   __nv_bfloat16* dh;              // [cap, 2F] owner: [dgate | dup], layout order (bf16)
   __nv_bfloat16* act;             // [cap, F]  owner: bf16(silu(g) * u) recomputed, layout order
+  const __nv_bfloat16* saved_h;   // [cap, 2F] owner: forward's fc1 output [g | u] (bf16), or null: recompute
 };
 
 struct BwdParams {

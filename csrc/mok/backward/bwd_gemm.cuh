@@ -4,7 +4,8 @@
 //
 // Tickets per minibatch (handed out in order by a per-rank atomic counter):
 //   stage 1, (mt, nt) over mt_max x nt1, nt = 128 ffn columns [nt*128, nt*128+128):
-//     K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u])
+//     K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u]);
+//       skipped when the forward kept h (br.saved_h): the tile's g / u are loaded from there instead
 //       -> act[row, c] = bf16(silu(g)*u) stored; c1 = u*dsilu(g), c2 = silu(g) parked (bf16) in dh
 //     K loop D (K = H): [128x128] = gy_rows @ W2^T rows (dA = gy @ W2), accumulator reused
 //       -> dh[row, c] = bf16(dA*c1), dh[row, F+c] = bf16(dA*c2)
@@ -115,7 +116,8 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
     const int g = q * L + ti.expert;
     if (ti.kind == 1) {
       const int nk = ceil_div(B.H, kBK);
-      for (int phase = 0; phase < 2; ++phase) {  // 0: h operands (x, gate/up), 1: dA operands (gy, W2^T)
+      const int first = P.br[q].saved_h != nullptr ? 1 : 0;  // forward kept h: no recompute operands
+      for (int phase = first; phase < 2; ++phase) {  // 0: h operands (x, gate/up), 1: dA operands (gy, W2^T)
         for (int kb = 0; kb < nk; ++kb) {
           mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
           uint8_t* a_s = sm.stages + st * kStageBytes;
@@ -149,6 +151,10 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// kSavedH: the forward kept h (br.saved_h): stage 1 has no loop G and reads g / u from there. A template
+// parameter, not a runtime branch, so each variant keeps its own register allocation (a shared branch
+// spilled ~1.3 KB).
+template <bool kSavedH>
 __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
@@ -172,7 +178,8 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     //          acc[0..63] = gy @ W2^T rows (n128) = dA; epilogue 2: dh = [dA * c1 | dA * c2].
     // Stage 2: loop G only (K = 2F): acc = dh @ W1^T rows (n256); epilogue = push.
     // Straight loops with data-dependent trip counts (no branch around the wgmma instructions).
-    const int nkG = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
+    const __nv_bfloat16* const saved_h = P.br[q].saved_h;
+    const int nkG = ti.kind == 1 ? (kSavedH ? 0 : ceil_div(H, kBK)) : ceil_div(2 * F, kBK);
     const int nkD = ti.kind == 1 ? ceil_div(H, kBK) : 0;
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     int prev = 0;
@@ -194,13 +201,35 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       prev = st;
       if (++st == kStages) { st = 0; ph ^= 1u; }
     }
-    cute::warpgroup_wait<0>();
+    cute::warpgroup_wait<0>();  // unconditional (no-op without loop G): keeps the compiler's wgmma tracking simple
     fence_acc(acc);
-    if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+    if (nkG > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
 
     if (ti.kind == 1) {
       __nv_bfloat16* const dhp = P.br[q].dh;
       __nv_bfloat16* const actp = P.br[q].act;
+      if constexpr (kSavedH) {
+        // act = bf16(silu(g) * u) elementwise from the forward's h: this WG's 64 rows x 128 cols in
+        // coalesced 16-byte chunks (c1 / c2 are recomputed from h in epilogue 2, nothing is parked)
+        for (int i = lt; i < 64 * 16; i += 128) {
+          const int r = wgc * 64 + (i >> 4);
+          const int c = ti.nt * 128 + 8 * (i & 15);
+          if (r < ti.rows && c < F) {
+            const long long row = (long long)ti.row0 + r;
+            const uint4 gv = __ldg(reinterpret_cast<const uint4*>(saved_h + row * 2 * F + c));
+            const uint4 uv = __ldg(reinterpret_cast<const uint4*>(saved_h + row * 2 * F + F + c));
+            const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
+            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
+            uint32_t o[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
+              o[k] = pack2(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
+            }
+            *reinterpret_cast<uint4*>(actp + row * F + c) = make_uint4(o[0], o[1], o[2], o[3]);
+          }
+        }
+      } else {
       // acc cols 8j + 2(lane%4) + {0,1}: j < 16 gate col nt*128 + 8j.., j >= 16 up col nt*128 + 8(j-16)..
       // c1 / c2 are parked in this thread's own (row, col pair) words of dh (4-byte stores, fragment order)
       // and read back by the same thread after loop D: keeping them in registers across loop D spills.
@@ -237,6 +266,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           if (r < ti.rows && c < F) *reinterpret_cast<uint4*>(actp + row * F + c) = va;
         }
       }
+      }  // kSavedH
       for (int kb = 0; kb < nkD; ++kb) {
         mbar_wait(B, &sm.full[st], ph, q, 4);
         const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
@@ -270,13 +300,31 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           for (int jj = 0; jj < 4; ++jj) {
             const int j = j0 + jj;
             const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
-            uint32_t w1v = 0u, w2v = 0u;
-            if (r < ti.rows && cf < F) {
-              w1v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + cf);
-              w2v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + F + cf);
+            // f1 = c1 = u * dsilu(g), f2 = c2 = silu(g): parked in epilogue 1, or from the forward's h
+            float2 f1, f2;
+            if constexpr (kSavedH) {
+              uint32_t gv = 0u, uv = 0u;
+              if (r < ti.rows && cf < F) {
+                gv = __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + cf));
+                uv = __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + F + cf));
+              }
+              const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
+              const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
+              const float sx = 1.0f / (1.0f + __expf(-g.x)), sy = 1.0f / (1.0f + __expf(-g.y));
+              // same bf16 rounding of c1 / c2 as the parked path
+              const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
+              const uint32_t p2 = pack2(g.x * sx, g.y * sy);
+              f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
+              f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
+            } else {
+              uint32_t w1v = 0u, w2v = 0u;
+              if (r < ti.rows && cf < F) {
+                w1v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + cf);
+                w2v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + F + cf);
+              }
+              f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w1v));
+              f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2v));
             }
-            const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w1v));
-            const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2v));
             const float d0 = acc[4 * j + 2 * h], d1 = acc[4 * j + 2 * h + 1];
             wg[jj] = pack2(d0 * f1.x, d1 * f1.y);
             wu[jj] = pack2(d0 * f2.x, d1 * f2.y);
@@ -347,7 +395,10 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
     return false;
   } else {
     setmaxnreg_inc<224>();
-    bwd_consumer(P, q, sm, wg - 1);
+    if (P.br[q].saved_h != nullptr)
+      bwd_consumer<true>(P, q, sm, wg - 1);
+    else
+      bwd_consumer<false>(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       __threadfence();
