@@ -260,6 +260,7 @@ def mok_forward_emulated(
         return ctypes.cast(a, ctypes.c_void_p)
 
     args = _Args()
+    args.rank = -1  # all R ranks in this launch (sizes the workspace for R partitions)
     args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
     args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
     args.ctas_per_rank = cpr
@@ -293,7 +294,6 @@ def mok_forward_emulated(
     args.workspace = ws.data_ptr()
     args.workspace_bytes = ws.numel()
     args.err = err.data_ptr()
-    args.rank = -1  # all R ranks in this launch
     if timeline is not None:  # megatron_mok.kernel.timeline.Timeline
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
     if saved_h is not None:
