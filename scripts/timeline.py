@@ -44,7 +44,7 @@ def record(args) -> str:
     for _ in range(3):
         mok_forward_emulated(x, idx, w, w1, w2, **kw)
     tl = Timeline(cap=args.cap)
-    mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
+    _, _, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
     events = tl.events()
     meta = {
         "config": args.config,
@@ -56,7 +56,24 @@ def record(args) -> str:
     meta.update(summarize(events))
     path = args.out + ".json"
     save_json(events, path, meta)
-    print(f"{len(events)} events, span {meta['span_us']:.1f} us, busy SM-us {meta['busy_sm_us']} -> {path}")
+    rows = sum(int(t.sum()) for t in tpe)
+    flops = 2.0 * rows * H * 2 * F + 2.0 * rows * F * H
+    print(f"{len(events)} events on {meta['ctas']} CTAs, span {meta['span_us']:.1f} us -> {path}")
+    print(f"{'phase':10s} {'window (us)':>22s} {'busy SM-us':>12s} {'share of SM-time':>17s}")
+    for kind in ("schedule", "dispatch", "fc1", "fc2", "combine"):
+        if kind in meta["busy_sm_us"]:
+            w = meta["window_us"][kind]
+            print(
+                f"{kind:10s} {w[0]:10.1f} - {w[1]:9.1f} {meta['busy_sm_us'][kind]:12.1f} "
+                f"{100 * meta['sm_time_share'][kind]:16.1f}%"
+            )
+    gemm_us = meta["busy_sm_us"].get("fc1", 0.0) + meta["busy_sm_us"].get("fc2", 0.0)
+    if gemm_us > 0:
+        per_sm = flops / (gemm_us * 1e-6) / 1e12  # TFLOP/s per busy SM
+        print(
+            f"expert GEMM tiles: {flops / 1e12:.2f} TFLOP in {gemm_us:.0f} SM-us -> {per_sm:.2f} TFLOP/s per busy SM "
+            f"({per_sm * 132:.0f} TFLOP/s if all 132 SMs ran tiles; launch overall {flops / (meta['span_us'] * 1e-6) / 1e12:.0f})"
+        )
     return path
 
 

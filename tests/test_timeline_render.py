@@ -25,6 +25,8 @@ def test_json_round_trip_and_summary(tmp_path):
     s = summarize(ev)
     assert s["span_us"] == 70.0
     assert s["busy_sm_us"] == {"schedule": 5.0, "dispatch": 15.0, "fc1": 19.0, "fc2": 19.0, "combine": 9.0}
+    assert s["ctas"] == 2 and s["window_us"]["dispatch"] == [5.0, 20.0]
+    assert abs(s["sm_time_share"]["fc1"] - 19.0 / 140.0) < 1e-12
 
 
 def test_png(tmp_path):

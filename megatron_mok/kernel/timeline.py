@@ -94,12 +94,18 @@ def load_json(path: str) -> tuple[list[TimelineEvent], dict]:
 
 
 def summarize(events: list[TimelineEvent]) -> dict:
-    """Busy time per kind (SM-microseconds) and the span of the launch."""
+    """Span of the launch; per kind: busy SM-microseconds, its share of all CTAs' time over the span,
+    and the wall window [first start, last end] in which that phase ran."""
     span = max((e.end_us for e in events), default=0.0)
+    ctas = len({e.cta for e in events}) or 1
     busy: dict[str, float] = {}
+    window: dict[str, list[float]] = {}
     for e in events:
         busy[e.kind] = busy.get(e.kind, 0.0) + (e.end_us - e.start_us)
-    return {"span_us": span, "busy_sm_us": busy}
+        w = window.setdefault(e.kind, [e.start_us, e.end_us])
+        w[0], w[1] = min(w[0], e.start_us), max(w[1], e.end_us)
+    share = {k: v / (span * ctas) if span > 0 else 0.0 for k, v in busy.items()}
+    return {"span_us": span, "ctas": ctas, "busy_sm_us": busy, "sm_time_share": share, "window_us": window}
 
 
 def render_png(events: list[TimelineEvent], path: str, title: str = "MoK forward kernel timeline") -> None:
