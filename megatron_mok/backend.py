@@ -70,6 +70,11 @@ def select_backend(
     timeout_ms: float = 10000.0,
 ):
     want = requested_backend()
+    if dtype != "bf16":
+        # neither backend implements it yet: running bf16 instead would silently change numerics and speed
+        raise MokBackendError(
+            f"kernel.dtype {dtype!r} is not implemented yet (bf16 only); set kernel.dtype: bf16 in the MoK config"
+        )
     if want == "reference":
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)

@@ -140,3 +140,13 @@ def test_resolve_order(monkeypatch, tmp_path):
     other = moe_transformer_config(hidden_size=96, ffn_hidden_size=48)
     derived = resolve_config(other)
     assert derived.source.startswith("<derived") and derived.model.hidden_size == 96
+
+
+def test_fp8_dtype_is_a_clear_error_not_a_silent_bf16_run():
+    import torch
+
+    from megatron_mok.backend import MokBackendError, select_backend
+
+    with pytest.raises(MokBackendError, match="kernel.dtype 'fp8' is not implemented yet"):
+        select_backend(torch.device("cpu"), 1, "fp8", torch.bfloat16)
+    assert select_backend(torch.device("cpu"), 1, "bf16", torch.float32).name == "reference"
