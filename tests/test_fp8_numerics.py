@@ -1,0 +1,56 @@
+"""CPU: the FP8 block-scaled recipe (oracle of the future FP8 kernel path) and its error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import fp8
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_block_scales_shapes_and_round_trip():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 512)  # very different block ranges
+    q, s = fp8.quantize_act_1x128(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
+    assert float(q.float().abs().max()) <= fp8.E4M3_MAX  # no saturation
+    assert _rel(fp8.dequantize_act(q, s), x) < 0.04  # e4m3 has 3 mantissa bits: ~2^-4 relative
+    w = torch.randn(256, 384, generator=g)
+    wq, ws = fp8.quantize_weight_128x128(w)
+    assert ws.shape == (2, 3)
+    assert _rel(fp8.dequantize_weight(wq, ws), w) < 0.04
+    zq, zs = fp8.quantize_act_1x128(torch.zeros(2, 128))
+    assert torch.isfinite(zs).all() and float(zq.float().abs().sum()) == 0.0
+
+
+def test_fp8_linear_equals_dequantized_matmul():
+    g = torch.Generator().manual_seed(1)
+    xq, xs = fp8.quantize_act_1x128(torch.randn(32, 256, generator=g))
+    wq, ws = fp8.quantize_weight_128x128(torch.randn(128, 256, generator=g))
+    want = fp8.dequantize_act(xq, xs) @ fp8.dequantize_weight(wq, ws).t()
+    assert _rel(fp8.fp8_linear(xq, xs, wq, ws), want) < 1e-6
+
+
+def test_fp8_expert_ffn_error_vs_fp32_is_bounded():
+    g = torch.Generator().manual_seed(2)
+    H, F = 512, 256
+    x = torch.randn(200, H, generator=g)
+    w1 = torch.randn(2 * F, H, generator=g) / H**0.5
+    w2 = torch.randn(H, F, generator=g) / F**0.5
+    h = x @ w1.t()
+    ref = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2.t()
+    err = _rel(fp8.fp8_expert_ffn(x, w1, w2), ref)
+    assert 1e-3 < err < 0.08, err  # really quantized, and within the recipe's expected error
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.quantize_act_1x128(torch.randn(4, 100))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.quantize_weight_128x128(torch.randn(100, 128))
+    with pytest.raises(TypeError, match="floating"):
+        fp8.quantize_act_1x128(torch.ones(4, 128, dtype=torch.int32))
