@@ -55,6 +55,10 @@ def build_model(dispatcher: str, ep: int, args, device):
         max_sequence_length=args.seq,
         position_embedding_type="rope",
     )
+    if args.torch_dtype == torch.bfloat16:
+        # as Megatron's Float16Module: every parameter in bf16 (the norms are built in fp32; CUDA's
+        # layer_norm, unlike the CPU one, rejects bf16 activations with fp32 weights)
+        model = model.bfloat16()
     return model.to(device)
 
 
@@ -94,6 +98,7 @@ def train(rank: int, ws: int, args) -> None:
             opt.step()
             losses.append(float(loss))
         curves[dispatcher] = losses
+        param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
         if dispatcher == "mok":
             backends = sorted(
                 {m.token_dispatcher.last_backend for m in model.modules() if hasattr(m, "token_dispatcher")}
@@ -113,7 +118,7 @@ def train(rank: int, ws: int, args) -> None:
         )
     if args.out:
         with open(f"{args.out}.{rank}", "w") as f:
-            json.dump({**curves, "max_gap": gap, "mok_backend": backends}, f)
+            json.dump({**curves, "max_gap": gap, "mok_backend": backends, "param_dtypes": param_dtypes}, f)
 
 
 def main(argv=None) -> None:
