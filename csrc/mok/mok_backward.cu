@@ -327,8 +327,6 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     br[r].dh = reinterpret_cast<__nv_bfloat16*>(a->dh[r]);
     br[r].act = reinterpret_cast<__nv_bfloat16*>(a->act[r]);
     br[r].saved_h = a->saved_h ? reinterpret_cast<const __nv_bfloat16*>(a->saved_h[r]) : nullptr;
-    if (a->saved_h && !a->saved_h[r])  // the tile width is per launch: every owner needs its h
-      return write_err(errbuf, errlen, "saved_h given but null for rank %d (all ranks or none)", r);
   }
 
   mok::bwd::BwdParams P{};
@@ -353,8 +351,7 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   P.br = reinterpret_cast<const mok::bwd::BwdRank*>(wsp + ws.branks);
   P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
   P.ctr = B.counters;
-  // stage-1 tiles: 128 ffn columns (fc1 recompute: gate + up side by side), 256 with the forward's h
-  P.nt1 = a->saved_h ? (F + 255) / 256 : (F + 127) / 128;
+  P.nt1 = (F + 127) / 128;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.t1 = ws.mt_max * P.nt1;
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);

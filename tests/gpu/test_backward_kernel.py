@@ -244,7 +244,7 @@ def test_backward_with_saved_fc1_output(bk, R, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("F", [192, 320])
 def test_backward_saved_fc1_output_partial_tiles(bk, F):
-    # 256-column stage-1 tiles with saved h: F not a multiple of 256 (zero-filled W2^T rows, masked cols)
+    # saved h with F not a multiple of the 128-column stage-1 tile (masked columns)
     _case(bk, 2, "skewed", F=F, tokens=[500, 400], comm_sms=2, ring_slots=2, minibatch=128, seed=50 + F, saved_h=True)
 
 

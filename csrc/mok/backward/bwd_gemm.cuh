@@ -3,7 +3,7 @@
 // 128-row tiles, BK = 64, kStages-deep smem ring with full/empty mbarriers).
 //
 // Tickets per minibatch (handed out in order by a per-rank atomic counter):
-//   stage 1, (mt, nt) over mt_max x nt1, nt = 128 ffn columns [nt*128, nt*128+128) (256 with saved h):
+//   stage 1, (mt, nt) over mt_max x nt1, nt = 128 ffn columns [nt*128, nt*128+128):
 //     K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u]);
 //       skipped when the forward kept h (br.saved_h): the tile's g / u are loaded from there instead
 //       -> act[row, c] = bf16(silu(g)*u) stored; c1 = u*dsilu(g), c2 = silu(g) parked (bf16) in dh
@@ -127,11 +127,6 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
             tma_load_2d(tm_xl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
             tma_load_2d(tm_gate(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 128);
             tma_load_2d(tm_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * kBK, ti.nt * 128);
-          } else if (first == 1) {  // saved h: 256-column dA tiles (two 128-row boxes of W2^T)
-            Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
-            tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
-            tma_load_2d(tm_w2t(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 256);
-            tma_load_2d(tm_w2t(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * kBK, ti.nt * 256 + 128);
           } else {
             Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)(kATileBytes + kBTileBytes / 2));
             tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
@@ -211,18 +206,14 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     if (nkG > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
 
     if (ti.kind == 1) {
-      // stage-1 tile width: 128 ffn columns when h is recomputed (the recompute needs gate and up
-      // accumulators side by side), 256 when the forward kept h (dA alone fills the 64x256 atom)
-      constexpr int kS1Cols = kSavedH ? 256 : 128;
-      constexpr int kJ = kS1Cols / 8;
       __nv_bfloat16* const dhp = P.br[q].dh;
       __nv_bfloat16* const actp = P.br[q].act;
       if constexpr (kSavedH) {
-        // act = bf16(silu(g) * u) elementwise from the forward's h: this WG's 64 rows x kS1Cols cols in
+        // act = bf16(silu(g) * u) elementwise from the forward's h: this WG's 64 rows x 128 cols in
         // coalesced 16-byte chunks (c1 / c2 are recomputed from h in epilogue 2, nothing is parked)
-        for (int i = lt; i < 64 * kJ; i += 128) {
-          const int r = wgc * 64 + i / kJ;
-          const int c = ti.nt * kS1Cols + 8 * (i % kJ);
+        for (int i = lt; i < 64 * 16; i += 128) {
+          const int r = wgc * 64 + (i >> 4);
+          const int c = ti.nt * 128 + 8 * (i & 15);
           if (r < ti.rows && c < F) {
             const long long row = (long long)ti.row0 + r;
             const uint4 gv = __ldg(reinterpret_cast<const uint4*>(saved_h + row * 2 * F + c));
@@ -282,37 +273,33 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
         const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
         const uint64_t da = make_smem_desc_sw128(a_s);
         const uint64_t db = make_smem_desc_sw128(b_s);
-        if constexpr (kSavedH) fence_acc(acc); else fence_acc64(acc);
+        fence_acc64(acc);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          if constexpr (kSavedH)
-            wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-          else
-            wgmma_64x128x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-        }
+        for (int kk = 0; kk < kBK / 16; ++kk)
+          wgmma_64x128x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<1>();
-        if constexpr (kSavedH) fence_acc(acc); else fence_acc64(acc);
+        fence_acc64(acc);
         if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
         prev = st;
         if (++st == kStages) { st = 0; ph ^= 1u; }
       }
       cute::warpgroup_wait<0>();
-      if constexpr (kSavedH) fence_acc(acc); else fence_acc64(acc);
+      fence_acc64(acc);
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
-      // acc[0..4*kJ) = dA, cols 8j + 2(lane%4) + {0,1} (j < kJ) = col nt*kS1Cols + 8j..
+      // acc[0..63] = dA, cols 8j + 2(lane%4) + {0,1} (j < 16) = col nt*128 + 8j..
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
         const long long row = (long long)ti.row0 + r;
 #pragma unroll
-        for (int j0 = 0; j0 < kJ; j0 += 4) {
+        for (int j0 = 0; j0 < 16; j0 += 4) {
           uint32_t wg[4], wu[4];
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) {
             const int j = j0 + jj;
-            const int cf = ti.nt * kS1Cols + 8 * j + 2 * (lane & 3);
+            const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
             // f1 = c1 = u * dsilu(g), f2 = c2 = silu(g): parked in epilogue 1, or from the forward's h
             float2 f1, f2;
             if constexpr (kSavedH) {
@@ -344,7 +331,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           }
           const uint4 vg = quad_xpose(wg[0], wg[1], wg[2], wg[3], lane);
           const uint4 vu = quad_xpose(wu[0], wu[1], wu[2], wu[3], lane);
-          const int c = ti.nt * kS1Cols + 8 * (j0 + (lane & 3));
+          const int c = ti.nt * 128 + 8 * (j0 + (lane & 3));
           if (r < ti.rows && c < F) {
             *reinterpret_cast<uint4*>(dhp + row * 2 * F + c) = vg;
             *reinterpret_cast<uint4*>(dhp + row * 2 * F + F + c) = vu;
