@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Record the MoK forward kernel's in-kernel timeline and render it as a PNG (one row per SM).
+"""Record a MoK kernel's in-kernel timeline and render it as a PNG (one row per SM).
 
     python scripts/timeline.py --config kimi-k2 --out timeline       # GPU: writes timeline.json (+ .png)
+    python scripts/timeline.py --pass backward --out timeline-bwd    # the backward kernel (saved h)
     python scripts/timeline.py --render timeline.json                # anywhere with matplotlib: the PNG
 
 Shows when each SM ran schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final
@@ -17,7 +18,14 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_mok.kernel.timeline import load_json, render_png, save_json, summarize  # noqa: E402
+from megatron_mok.kernel.timeline import (  # noqa: E402
+    BACKWARD_KINDS,
+    FORWARD_KINDS,
+    load_json,
+    render_png,
+    save_json,
+    summarize,
+)
 
 
 def record(args) -> str:
@@ -41,12 +49,27 @@ def record(args) -> str:
     ]
     w2 = [[(torch.randn((H, F), generator=gen, device=dev) * F**-0.5).bfloat16() for _ in range(L)] for _ in range(R)]
     kw = dict(comm_sms=args.comm_sms or k.comm_sms, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
-    for _ in range(3):
-        mok_forward_emulated(x, idx, w, w1, w2, **kw)
     tl = Timeline(cap=args.cap)
-    _, _, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
+    if args.pass_ == "forward":
+        for _ in range(3):
+            mok_forward_emulated(x, idx, w, w1, w2, **kw)
+        _, _, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
+    else:
+        from megatron_mok.kernel.backward import mok_backward_emulated
+
+        if args.comm_sms == 0:
+            kw["comm_sms"] = k.comm_sms * 2  # the backward pulls two rows per layout row (bench_backward.py)
+        hbuf = [torch.empty((T * R * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+        _, comb, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf if args.saved_h else None)
+        go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
+        bkw = dict(kw, wgrad="none", saved_h=hbuf if args.saved_h else None)
+        for _ in range(3):
+            mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw)
+        mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw, timeline=tl)
     events = tl.events()
     meta = {
+        "pass": args.pass_,
+        "saved_h": bool(args.saved_h),
         "config": args.config,
         "shape": {"H": H, "F": F, "K": K, "L": L, "tokens_per_rank": T, "ep": R},
         **kw,
@@ -57,23 +80,34 @@ def record(args) -> str:
     path = args.out + ".json"
     save_json(events, path, meta)
     rows = sum(int(t.sum()) for t in tpe)
-    flops = 2.0 * rows * H * 2 * F + 2.0 * rows * F * H
     print(f"{len(events)} events on {meta['ctas']} CTAs, span {meta['span_us']:.1f} us -> {path}")
-    print(f"{'phase':10s} {'window (us)':>22s} {'busy SM-us':>12s} {'share of SM-time':>17s}")
-    for kind in ("schedule", "dispatch", "fc1", "fc2", "combine"):
+    print(f"{'phase':16s} {'window (us)':>22s} {'busy SM-us':>12s} {'share of SM-time':>17s} {'events':>7s}")
+    for kind in FORWARD_KINDS if args.pass_ == "forward" else BACKWARD_KINDS:
         if kind in meta["busy_sm_us"]:
             w = meta["window_us"][kind]
+            n = sum(1 for e in events if e.kind == kind)
             print(
-                f"{kind:10s} {w[0]:10.1f} - {w[1]:9.1f} {meta['busy_sm_us'][kind]:12.1f} "
-                f"{100 * meta['sm_time_share'][kind]:16.1f}%"
+                f"{kind:16s} {w[0]:10.1f} - {w[1]:9.1f} {meta['busy_sm_us'][kind]:12.1f} "
+                f"{100 * meta['sm_time_share'][kind]:16.1f}% {n:7d}"
             )
-    gemm_us = meta["busy_sm_us"].get("fc1", 0.0) + meta["busy_sm_us"].get("fc2", 0.0)
-    if gemm_us > 0:
-        per_sm = flops / (gemm_us * 1e-6) / 1e12  # TFLOP/s per busy SM
-        print(
-            f"expert GEMM tiles: {flops / 1e12:.2f} TFLOP in {gemm_us:.0f} SM-us -> {per_sm:.2f} TFLOP/s per busy SM "
-            f"({per_sm * 132:.0f} TFLOP/s if all 132 SMs ran tiles; launch overall {flops / (meta['span_us'] * 1e-6) / 1e12:.0f})"
-        )
+    # per GEMM phase: FLOPs / busy SM-time -> TFLOP/s per busy SM (x 132 = rate if every SM ran it)
+    if args.pass_ == "forward":
+        gemms = {"fc1": 2.0 * rows * H * 2 * F, "fc2": 2.0 * rows * F * H}
+    else:
+        s1 = 2.0 * rows * H * F * (1 if args.saved_h else 3)  # dA (+ fc1 recompute: 2x)
+        gemms = {"dgrad1": s1, "dgrad2": 2.0 * rows * 2 * F * H}
+    total = sum(gemms.values())
+    for kind, fl in gemms.items():
+        us = meta["busy_sm_us"].get(kind, 0.0)
+        if us > 0:
+            per_sm = fl / (us * 1e-6) / 1e12
+            print(
+                f"{kind}: {fl / 1e12:.2f} TFLOP in {us:.0f} SM-us -> {per_sm:.2f} TFLOP/s per busy SM "
+                f"({per_sm * 132:.0f} TFLOP/s if all 132 SMs ran it)"
+            )
+    print(
+        f"launch overall: {total / 1e12:.2f} TFLOP in {meta['span_us']:.0f} us = {total / (meta['span_us'] * 1e-6) / 1e12:.0f} TFLOP/s"
+    )
     return path
 
 
@@ -87,6 +121,10 @@ def main() -> None:
     ap.add_argument("--comm-sms", type=int, default=0, help="0: the config's value")
     ap.add_argument("--cap", type=int, default=8192, help="events per CTA")
     ap.add_argument("--out", default="timeline")
+    ap.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward")
+    ap.add_argument(
+        "--recompute", dest="saved_h", action="store_false", help="backward: recompute fc1 instead of the saved h"
+    )
     ap.add_argument("--render", default=None, help="render an existing timeline JSON to PNG")
     args = ap.parse_args()
     path = args.render or record(args)
@@ -94,7 +132,10 @@ def main() -> None:
     png = os.path.splitext(path)[0] + ".png"
     try:
         shape = meta.get("shape", {})
-        title = f"MoK forward timeline: {meta.get('config', '')} {shape}, comm_sms {meta.get('comm_sms')}"
+        title = (
+            f"MoK {meta.get('pass', 'forward')} timeline: {meta.get('config', '')} {shape}, "
+            f"comm_sms {meta.get('comm_sms')}"
+        )
         render_png(events, png, title=title)
         print("wrote", png)
     except ImportError:

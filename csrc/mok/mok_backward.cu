@@ -31,6 +31,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const Params& B = P.base;
 
+  const unsigned long long t_entry = B.timeline != nullptr ? globaltimer_ns() : 0ull;
   // ---- schedule (all CTAs): the forward's layout, recomputed from the routing ----
   schedule_count(B);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)
   if (!grid_barrier(B, 1, &s_flag)) return;
@@ -38,6 +39,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   if (!grid_barrier(B, 2, &s_flag)) return;
   schedule_place(B, reinterpret_cast<int*>(smem));
   if (!grid_barrier(B, 3, &s_flag)) return;
+  if (threadIdx.x == 0) timeline_record(B, kTlSchedule, 0, t_entry, globaltimer_ns());
 
   const int q = blockIdx.x / B.ctas_per_rank;
   const int local = blockIdx.x % B.ctas_per_rank;
@@ -47,12 +49,22 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   const unsigned all_compute = (unsigned)(B.R * n_comp);
   if (local < B.comm_sms) {
     if (!bwd_pull_role(P, q, local, &s_flag)) return;
+    unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_router_grad(P, q, local * kWarps + warp, B.comm_sms * kWarps);
+    if (B.timeline != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(B, kTlBwdRouterGrad, 0, t0, globaltimer_ns());
+    }
     if (threadIdx.x == 0)
       s_flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
+    t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_grad_x_reduce(P, q, local * kWarps + warp, nworkers);
+    if (B.timeline != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
+    }
   } else {
     if (!bwd_compute_role(P, q, smem)) return;  // producer warpgroup leaves here
     int* flag = reinterpret_cast<int*>(smem);
@@ -60,7 +72,12 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
       *flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
     named_bar_sync(1, 256);
     if (!*flag) return;
+    const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_grad_x_reduce(P, q, B.comm_sms * kWarps + (local - B.comm_sms) * 8 + (warp - 4), nworkers);
+    if (B.timeline != nullptr) {
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
+    }
   }
 }
 
@@ -104,6 +121,10 @@ struct MokBwdArgs {
   // Optional host [R] (0 = recompute): forward's fc1 output [cap, 2F] bf16 in layout order (kept by the
   // forward kernel with saved_h); stage 1 then reads h instead of recomputing x @ W1^T.
   const unsigned long long* saved_h;
+  // Optional in-kernel timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
+  unsigned long long timeline;
+  unsigned long long timeline_count;
+  int timeline_cap;
 };
 
 }  // extern "C"
@@ -348,6 +369,11 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   B.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
   B.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   B.err = reinterpret_cast<int*>(a->err);
+  if (a->timeline && (a->timeline_cap < 1 || !a->timeline_count))
+    return write_err(errbuf, errlen, "timeline buffer needs timeline_cap >= 1 and a count array");
+  B.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);
+  B.timeline_count = reinterpret_cast<unsigned*>(a->timeline_count);
+  B.timeline_cap = a->timeline ? a->timeline_cap : 0;
   P.br = reinterpret_cast<const mok::bwd::BwdRank*>(wsp + ws.branks);
   P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
   P.ctr = B.counters;
@@ -360,6 +386,8 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   MOK_CUDA_CHECK(cudaEventRecord(staged, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
+  if (a->timeline)
+    MOK_CUDA_CHECK(cudaMemsetAsync(B.timeline_count, 0, (size_t)a->R * cpr * sizeof(unsigned), stream));
 
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(a->R * cpr));

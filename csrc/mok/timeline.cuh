@@ -12,6 +12,14 @@ enum TimelineKind : unsigned {
   kTlFc1 = 2,       // one fc1 + SwiGLU tile (aux = minibatch)
   kTlFc2 = 3,       // one fc2 tile incl. its push-combine stores (aux = minibatch)
   kTlCombine = 4,   // final top-k weighted sum (after every rank's pushes landed)
+  // backward kernel (mok_backward.cu)
+  kTlBwdPull = 5,      // pull reverse-combine of one minibatch: x and w * grad_out rows (aux = minibatch)
+  kTlBwdStage1 = 6,    // stage-1 tile main loops (dA = gy W2 [+ fc1 recompute]) (aux = minibatch)
+  kTlBwdStage1Epi = 7, // its SwiGLU-backward epilogue: act and dH stores
+  kTlBwdStage2 = 8,    // stage-2 tile main loop (dX = dH W1) (aux = minibatch)
+  kTlBwdPush = 9,      // its push reverse-dispatch stores into the home rank's grad_buf
+  kTlBwdRouterGrad = 10,  // router-weight gradient of the home tokens
+  kTlBwdGradX = 11,    // grad_x = sum_k grad_buf (after every rank's pushes landed)
 };
 
 // One event; the host reads them as int64[4]: {kind | smid << 8 | aux << 16, unused, t0, t1}.

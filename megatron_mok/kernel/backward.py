@@ -143,6 +143,10 @@ class _Args(ctypes.Structure):
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
         ("saved_h", ctypes.c_void_p),
+        # optional in-kernel timeline (megatron_mok.kernel.timeline.Timeline)
+        ("timeline", ctypes.c_ulonglong),
+        ("timeline_count", ctypes.c_ulonglong),
+        ("timeline_cap", ctypes.c_int),
     ]
 
 
@@ -281,6 +285,7 @@ def mok_backward_emulated(
     check: bool = True,
     return_buffers: bool = False,
     saved_h=None,
+    timeline=None,
 ):
     """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
 
@@ -290,6 +295,7 @@ def mok_backward_emulated(
     grad_w2[q][e] fp32); wgrad="none" returns None for the weight gradients.
     saved_h[q] [>= sum_r T_r * K, 2F] bf16: the forward kernel's fc1 output (``mok_forward_emulated(...,
     saved_h=...)``); stage 1 then reads h instead of recomputing x @ W1^T (None: recompute).
+    timeline: a ``megatron_mok.kernel.timeline.Timeline`` to record per-SM intervals of this launch.
     """
     if not isinstance(x, (list, tuple)) or not x:
         _fail("x must be a non-empty list of per-rank tensors")
@@ -414,6 +420,8 @@ def mok_backward_emulated(
     args.w1t = arr([w1t[q][e].data_ptr() for q in range(R) for e in range(L)])
     if saved_h is not None:
         args.saved_h = ptrs(saved_h)
+    if timeline is not None:
+        args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
 
     nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:

@@ -1,8 +1,10 @@
-"""In-kernel timeline of the MoK forward kernel (csrc/mok/timeline.cuh): per-SM intervals of
-schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final weighted sum.
+"""In-kernel timeline of the MoK kernels (csrc/mok/timeline.cuh): per-SM intervals of, in the forward,
+schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final weighted sum; in the backward,
+schedule, pull reverse-combine, stage-1 / stage-2 dgrad tiles (main loop and epilogue apart), the router
+gradient and the grad_x sum.
 
     tl = Timeline(cap=4096)
-    mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank(..., timeline=tl)
+    mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank / mok_backward_emulated
     events = tl.events()                        # after the launch finished
     render_png(events, "timeline.png")          # scripts/timeline.py does both
 
@@ -16,8 +18,37 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-KINDS = {0: "schedule", 1: "dispatch", 2: "fc1", 3: "fc2", 4: "combine"}
-COLORS = {"schedule": "#999999", "dispatch": "#1f77b4", "fc1": "#2ca02c", "fc2": "#98df8a", "combine": "#d62728"}
+KINDS = {
+    0: "schedule",
+    1: "dispatch",
+    2: "fc1",
+    3: "fc2",
+    4: "combine",
+    # backward kernel
+    5: "pull",
+    6: "dgrad1",
+    7: "dgrad1_epilogue",
+    8: "dgrad2",
+    9: "push",
+    10: "router_grad",
+    11: "grad_x",
+}
+FORWARD_KINDS = ("schedule", "dispatch", "fc1", "fc2", "combine")
+BACKWARD_KINDS = ("schedule", "pull", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "router_grad", "grad_x")
+COLORS = {
+    "schedule": "#999999",
+    "dispatch": "#1f77b4",
+    "fc1": "#2ca02c",
+    "fc2": "#98df8a",
+    "combine": "#d62728",
+    "pull": "#1f77b4",
+    "dgrad1": "#2ca02c",
+    "dgrad1_epilogue": "#bcbd22",
+    "dgrad2": "#98df8a",
+    "push": "#ff7f0e",
+    "router_grad": "#9467bd",
+    "grad_x": "#d62728",
+}
 
 
 @dataclass
@@ -118,7 +149,9 @@ def render_png(events: list[TimelineEvent], path: str, title: str = "MoK forward
 
     ctas = sorted({e.cta for e in events})
     fig, ax = plt.subplots(figsize=(14, max(4.0, 0.06 * len(ctas) + 2)))
-    for kind, color in COLORS.items():
+    present = [k for k in COLORS if any(e.kind == k for e in events)]
+    for kind in present:
+        color = COLORS[kind]
         segs: dict[int, list[tuple[float, float]]] = {}
         for e in events:
             if e.kind == kind:
@@ -130,7 +163,7 @@ def render_png(events: list[TimelineEvent], path: str, title: str = "MoK forward
     ax.set_ylim(-1, len(ctas))
     ax.invert_yaxis()
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=8)
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in present], loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -77,6 +77,7 @@ __device__ bool bwd_pull_role(const BwdParams& P, int q, int c, int* s_flag) {
       __syncthreads();
       if (!*s_flag) return false;
     }
+    const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     const int a = i * M, b = min(a + M, N);
     for (int row = a + gw; row < b; row += stride) {
       const int2 src = layout[row];
@@ -91,6 +92,7 @@ __device__ bool bwd_pull_role(const BwdParams& P, int q, int c, int* s_flag) {
       __threadfence();
       red_release_gpu_add(c_ready(P, q, i), 1u);
     }
+    if (threadIdx.x == 0) timeline_record(B, kTlBwdPull, (unsigned)i, t0, globaltimer_ns());
   }
   return true;
 }

@@ -8,6 +8,7 @@
 #include "../gemm_sm90.cuh"
 #include "../ring_buffer.cuh"
 #include "../timeout.cuh"
+#include "../timeline.cuh"
 
 namespace mok {
 namespace bwd {

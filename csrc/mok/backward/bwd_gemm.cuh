@@ -172,6 +172,8 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
     if (ti.kind == 0) break;
+    const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
+    const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
     // Stage 1: loop G (K = H): acc = x @ [gate ; up]^T (n256) = h; epilogue 1 in registers: act stored,
     //          c1 = u * dsilu(g), c2 = silu(g) parked as bf16 in dh (own words); then loop D (K = H):
@@ -288,6 +290,8 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       cute::warpgroup_wait<0>();
       fence_acc64(acc);
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+      const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
+      if (rec) timeline_record(B, kTlBwdStage1, (unsigned)ti.mb, t_tile, t_epi);
       // acc[0..63] = dA, cols 8j + 2(lane%4) + {0,1} (j < 16) = col nt*128 + 8j..
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -344,7 +348,10 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
         __threadfence();
         red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
       }
+      if (rec) timeline_record(B, kTlBwdStage1Epi, (unsigned)ti.mb, t_epi, globaltimer_ns());
     } else {
+      const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
+      if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
@@ -368,6 +375,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
         __threadfence();
         red_release_gpu_add(c_mb_done(P, q, ti.mb), 1u);
       }
+      if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
     }
   }
 }
