@@ -41,26 +41,18 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   if (!grid_barrier(B, 3, &s_flag)) return;
   if (threadIdx.x == 0) timeline_record(B, kTlSchedule, 0, t_entry, globaltimer_ns());
 
-  const int q = blockIdx.x / B.ctas_per_rank;
+  const int q = B.rank0 + blockIdx.x / B.ctas_per_rank;
   const int local = blockIdx.x % B.ctas_per_rank;
   const int n_comp = B.ctas_per_rank - B.comm_sms;
-  const int warp = threadIdx.x >> 5;
-  const int nworkers = B.comm_sms * kWarps + n_comp * 8;
-  const unsigned all_compute = (unsigned)(B.R * n_comp);
+  const unsigned all_compute = (unsigned)(B.nparts * n_comp);
   if (local < B.comm_sms) {
-    if (!bwd_pull_role(P, q, local, &s_flag)) return;
-    unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
-    bwd_router_grad(P, q, local * kWarps + warp, B.comm_sms * kWarps);
-    if (B.timeline != nullptr) {
-      __syncthreads();
-      if (threadIdx.x == 0) timeline_record(B, kTlBwdRouterGrad, 0, t0, globaltimer_ns());
-    }
+    if (!bwd_comm_role(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0)
       s_flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
-    t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
-    bwd_grad_x_reduce(P, q, local * kWarps + warp, nworkers);
+    const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
+    bwd_grad_x_reduce(P, q);
     if (B.timeline != nullptr) {
       __syncthreads();
       if (threadIdx.x == 0) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
@@ -73,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
-    bwd_grad_x_reduce(P, q, B.comm_sms * kWarps + (local - B.comm_sms) * 8 + (warp - 4), nworkers);
+    bwd_grad_x_reduce(P, q);
     if (B.timeline != nullptr) {
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
@@ -185,7 +177,7 @@ BwdWs plan(const MokBwdArgs* a) {
   w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
-  w.tmaps = take((size_t)(4 * w.E + 3 * a->R) * sizeof(CUtensorMap));
+  w.tmaps = take((size_t)(4 * w.E + 3 * a->R) * sizeof(CUtensorMap));  // emulated: np = R
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
   w.layout = take((size_t)a->R * (size_t)a->cap * sizeof(int2));

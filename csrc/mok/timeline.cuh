@@ -18,7 +18,7 @@ enum TimelineKind : unsigned {
   kTlBwdStage1Epi = 7, // its SwiGLU-backward epilogue: act and dH stores
   kTlBwdStage2 = 8,    // stage-2 tile main loop (dX = dH W1) (aux = minibatch)
   kTlBwdPush = 9,      // its push reverse-dispatch stores into the home rank's grad_buf
-  kTlBwdRouterGrad = 10,  // router-weight gradient of the home tokens
+  kTlBwdBackground = 10,  // comm SMs' share after a pull: router-weight grad (+ act rows when h was saved)
   kTlBwdGradX = 11,    // grad_x = sum_k grad_buf (after every rank's pushes landed)
 };
 

@@ -1,7 +1,7 @@
 """In-kernel timeline of the MoK kernels (csrc/mok/timeline.cuh): per-SM intervals of, in the forward,
 schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final weighted sum; in the backward,
 schedule, pull reverse-combine, stage-1 / stage-2 dgrad tiles (main loop and epilogue apart), the router
-gradient and the grad_x sum.
+gradient (+ act rows) as background work of the comm SMs, and the grad_x sum.
 
     tl = Timeline(cap=4096)
     mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank / mok_backward_emulated
@@ -30,11 +30,11 @@ KINDS = {
     7: "dgrad1_epilogue",
     8: "dgrad2",
     9: "push",
-    10: "router_grad",
+    10: "background",
     11: "grad_x",
 }
 FORWARD_KINDS = ("schedule", "dispatch", "fc1", "fc2", "combine")
-BACKWARD_KINDS = ("schedule", "pull", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "router_grad", "grad_x")
+BACKWARD_KINDS = ("schedule", "pull", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "background", "grad_x")
 COLORS = {
     "schedule": "#999999",
     "dispatch": "#1f77b4",
@@ -46,7 +46,7 @@ COLORS = {
     "dgrad1_epilogue": "#bcbd22",
     "dgrad2": "#98df8a",
     "push": "#ff7f0e",
-    "router_grad": "#9467bd",
+    "background": "#9467bd",
     "grad_x": "#d62728",
 }
 

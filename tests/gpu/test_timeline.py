@@ -87,7 +87,7 @@ def test_backward_timeline_records_every_stage_per_sm(saved):
     for e in ev:
         assert e.end_us >= e.start_us >= 0.0
         roles["comm" if e.cta % cpr < comm else "compute"].add(e.kind)
-    assert roles["comm"] == {"schedule", "pull", "router_grad", "grad_x"}
+    assert roles["comm"] == {"schedule", "pull", "background", "grad_x"}
     assert roles["compute"] == {"schedule", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "grad_x"}
     # every minibatch pulled once per comm CTA; one stage-1 epilogue per stage-1 tile, one push per stage-2 tile
     nmb = [-(-int(t.sum()) // mb) for t in tpe]

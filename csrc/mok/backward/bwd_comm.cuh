@@ -6,10 +6,12 @@
 //     xl[row]  = x[r][t]                          (bf16 copy; fc1 recompute + dW1 operand)
 //     gyl[row] = bf16(w[r][t,k] * grad_out[r][t])  (fp32 math; fc2 dgrad + dW2 operand)
 //   then publishes ready[q][i] (+1 per comm CTA, release).
-// router-weight grad (home, fused): after its pulls, the comm CTAs of rank q compute
-//   grad_w[t,k] = <grad_out[t], combine[t,k]> (fp32) for rank q's own tokens (no dependency).
+// Background work, one share after each minibatch's pull (the pulls leave the comm SMs idle most of the
+//   time, and doing it after the last pull would leave a tail on them):
+//   router-weight grad grad_w[t,k] = <grad_out[t], combine[t,k]> (fp32) of rank q's own tokens, and, when
+//   the forward kept h, act[row] = bf16(silu(g) * u) of minibatch i's rows (only the wgrad reads it).
 // grad_x (home): once every compute CTA of every rank is done, grad_x[t] = bf16(sum_k grad_buf[t,k])
-//   in fp32, k ascending, slots with idx == -1 skipped.
+//   in fp32, k ascending, slots with idx == -1 skipped; tokens handed out by an atomic cursor.
 #pragma once
 #include "bwd_common.cuh"
 
@@ -54,58 +56,14 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
   }
 }
 
-// Returns false if the kernel is aborting.
-__device__ bool bwd_pull_role(const BwdParams& P, int q, int c, int* s_flag) {
-  const Params& B = P.base;
-  const int L = B.L, M = B.minibatch, S = B.ring_slots, H = B.H, K = B.K;
-  const int* off = B.expert_off + q * (L + 1);
-  const int N = off[L];
-  const int nmb = num_minibatches(N, M);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gw = c * kWarps + warp;
-  const int stride = B.comm_sms * kWarps;
-  const int2* layout = B.layout + (long long)q * B.layout_cap;
-  const BwdRank me = P.br[q];
-  for (int i = 0; i < nmb; ++i) {
-    const int s = i % S;
-    if (i >= S) {  // the slot's previous minibatch must have finished its reverse-dispatch pushes
-      if (threadIdx.x == 0) {
-        const int pa = (i - S) * M;
-        const unsigned need = (unsigned)(P.nt2 * count_mtiles(off, L, pa, min(pa + M, N)));
-        *s_flag = wait_counter_geq(B, c_mb_done(P, q, i - S), need, q, s, kPhaseSlotFree) ? 1 : 0;
-      }
-      __syncthreads();
-      if (!*s_flag) return false;
-    }
-    const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
-    const int a = i * M, b = min(a + M, N);
-    for (int row = a + gw; row < b; row += stride) {
-      const int2 src = layout[row];
-      const int t = src.y / K;
-      const float w = B.ranks[src.x].w[src.y];
-      pull_rows_pair(me.xl + (long long)row * H, me.gyl + (long long)row * H, B.ranks[src.x].x + (long long)t * H,
-                     P.br[src.x].grad_out + (long long)t * H, w, H, lane);
-    }
-    fence_proxy_async_global();  // read next by TMA (async proxy)
-    __syncthreads();
-    if (threadIdx.x == 0 && !(q == B.stall_rank && s == B.stall_slot)) {
-      __threadfence();
-      red_release_gpu_add(c_ready(P, q, i), 1u);
-    }
-    if (threadIdx.x == 0) timeline_record(B, kTlBwdPull, (unsigned)i, t0, globaltimer_ns());
-  }
-  return true;
-}
-
-// grad_w[t, k] for rank q's tokens; worker / nworkers = warp index / count among rank q's comm warps.
-__device__ void bwd_router_grad(const BwdParams& P, int q, int worker, int nworkers) {
+// grad_w[t, k] for rank q's (token, k) entries [lo, hi); worker / nworkers = warp index / count.
+__device__ void bwd_router_grad(const BwdParams& P, int q, long long lo, long long hi, int worker, int nworkers) {
   const Params& B = P.base;
   const int lane = threadIdx.x & 31;
   const int H = B.H, K = B.K;
   const RankTable rt = B.ranks[q];
   const BwdRank me = P.br[q];
-  const long long n = (long long)rt.T * K;
-  for (long long e = worker; e < n; e += nworkers) {
+  for (long long e = lo + worker; e < hi; e += nworkers) {
     const long long t = e / K;
     const uint4* go = reinterpret_cast<const uint4*>(me.grad_out + t * H);
     const uint4* cb = reinterpret_cast<const uint4*>(me.combine + e * H);
@@ -129,14 +87,124 @@ __device__ void bwd_router_grad(const BwdParams& P, int q, int worker, int nwork
   }
 }
 
-// grad_x[t] = bf16(sum_k grad_buf[t,k]) for rank q's tokens.
-__device__ void bwd_grad_x_reduce(const BwdParams& P, int q, int worker, int nworkers) {
+// act[row] = bf16(silu(g) * u) from the forward's h = [g | u] for owner q's layout rows [a, b): the same
+// rounding as the recompute path's epilogue (fp32 math on the bf16 h). Loads of a row are issued together.
+__device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker, int nworkers) {
+  const int lane = threadIdx.x & 31;
+  const int F = P.base.F;
+  const __nv_bfloat16* __restrict__ h = P.br[q].saved_h;
+  __nv_bfloat16* __restrict__ act = P.br[q].act;
+  const int nv = F / 8;
+  constexpr int U = 4;
+  for (int row = a + worker; row < b; row += nworkers) {
+    const uint4* g4 = reinterpret_cast<const uint4*>(h + (long long)row * 2 * F);
+    const uint4* u4 = reinterpret_cast<const uint4*>(h + (long long)row * 2 * F + F);
+    uint4* o4 = reinterpret_cast<uint4*>(act + (long long)row * F);
+    for (int base = 0; base < nv; base += 32 * U) {
+      uint4 gv[U], uv[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < nv) {
+          gv[u] = __ldg(g4 + v);
+          uv[u] = __ldg(u4 + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < nv) {
+          const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv[u]);
+          const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv[u]);
+          uint32_t o[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 g = __bfloat1622float2(g2[k]), x = __bfloat1622float2(u2[k]);
+            o[k] = pack2(g.x / (1.0f + __expf(-g.x)) * x.x, g.y / (1.0f + __expf(-g.y)) * x.y);
+          }
+          o4[v] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+      }
+    }
+  }
+}
+
+// Comm CTA c of owner rank q: pulls, then after each minibatch one share of the background work.
+// Returns false if the kernel is aborting.
+__device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
+  const Params& B = P.base;
+  const int L = B.L, M = B.minibatch, S = B.ring_slots, H = B.H, K = B.K;
+  const int* off = bwd_expert_off(P, q);
+  const int N = off[L];
+  const int nmb = num_minibatches(N, M);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int gw = c * kWarps + warp;
+  const int stride = B.comm_sms * kWarps;
+  const int2* layout = bwd_layout(P, q);
+  const BwdRank me = P.br[q];
+  const long long n_rg = (long long)B.ranks[q].T * K;  // router-grad entries of rank q's tokens
+  const bool act_here = me.saved_h != nullptr;        // recompute: the stage-1 epilogue writes act
+  for (int i = 0; i < nmb; ++i) {
+    const int s = i % S;
+    if (i >= S) {  // the slot's previous minibatch must have finished its reverse-dispatch pushes
+      if (threadIdx.x == 0) {
+        const int pa = (i - S) * M;
+        const unsigned need = (unsigned)(P.nt2 * count_mtiles(off, L, pa, min(pa + M, N)));
+        *s_flag = wait_counter_geq(B, c_mb_done(P, q, i - S), need, q, s, kPhaseSlotFree) ? 1 : 0;
+      }
+      __syncthreads();
+      if (!*s_flag) return false;
+    }
+    unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
+    const int a = i * M, b = min(a + M, N);
+    for (int row = a + gw; row < b; row += stride) {
+      const int2 src = layout[row];
+      const int t = src.y / K;
+      const float w = B.ranks[src.x].w[src.y];
+      pull_rows_pair(me.xl + (long long)row * H, me.gyl + (long long)row * H, B.ranks[src.x].x + (long long)t * H,
+                     P.br[src.x].grad_out + (long long)t * H, w, H, lane);
+    }
+    fence_proxy_async_global();  // read next by TMA (async proxy)
+    __syncthreads();
+    if (threadIdx.x == 0 && !(q == B.stall_rank && s == B.stall_slot)) {
+      __threadfence();
+      red_release_gpu_add(c_ready(P, q, i), 1u);
+    }
+    if (threadIdx.x == 0) timeline_record(B, kTlBwdPull, (unsigned)i, t0, globaltimer_ns());
+    // background share i
+    if (B.timeline != nullptr) t0 = globaltimer_ns();
+    bwd_router_grad(P, q, n_rg * i / nmb, n_rg * (i + 1) / nmb, gw, stride);
+    if (act_here) bwd_act_rows(P, q, a, b, gw, stride);
+    if (B.timeline != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(B, kTlBwdBackground, (unsigned)i, t0, globaltimer_ns());
+    }
+  }
+  if (nmb == 0) {  // this owner received no rows: the router grad still needs doing
+    const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
+    bwd_router_grad(P, q, 0, n_rg, gw, stride);
+    if (B.timeline != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(B, kTlBwdBackground, 0, t0, globaltimer_ns());
+    }
+  }
+  return true;
+}
+
+// grad_x[t] = bf16(sum_k grad_buf[t,k]) for rank q's tokens; each warp takes the next token from the
+// rank's cursor (SMs that arrive late, e.g. comm SMs finishing background work, simply take fewer).
+__device__ void bwd_grad_x_reduce(const BwdParams& P, int q) {
   const Params& B = P.base;
   const int lane = threadIdx.x & 31;
   const int H = B.H, K = B.K;
   const RankTable rt = B.ranks[q];
   const BwdRank me = P.br[q];
-  for (int t = worker; t < rt.T; t += nworkers) {
+  unsigned* cursor = c_gradx_next(P, q);
+  while (true) {
+    int t = 0;
+    if (lane == 0) t = (int)atomicAdd(cursor, 1u);
+    t = __shfl_sync(0xffffffffu, t, 0);
+    if (t >= rt.T) break;
     const int* idx = rt.idx + (long long)t * K;
     const uint4* gb = reinterpret_cast<const uint4*>(me.grad_buf + (long long)t * K * H);
     uint4* out = reinterpret_cast<uint4*>(me.grad_x + (long long)t * H);

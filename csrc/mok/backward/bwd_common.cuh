@@ -36,35 +36,53 @@ struct BwdParams {
   int t1, tickets_per_mb;
 };
 
-// Tensor maps: per global expert g: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2^T [F,H], 4g+3 W1^T [H,2F];
-// per rank q: 4E+3q+0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F].
+// Tensor maps (this launch's partitions p = part(q) = q - rank0; emulated EP: p = q):
+// per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2^T [F,H], 4g+3 W1^T [H,2F];
+// per partition p: 4*np*L + 3p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F].
+__device__ __forceinline__ int bwd_expert(const BwdParams& P, int q, int e) { return part(P.base, q) * P.base.L + e; }
 __device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
 __device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }
 __device__ __forceinline__ const CUtensorMap* tm_w2t(const BwdParams& P, int g) { return P.tm + 4 * g + 2; }
 __device__ __forceinline__ const CUtensorMap* tm_w1t(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
-__device__ __forceinline__ const CUtensorMap* tm_xl(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q; }
-__device__ __forceinline__ const CUtensorMap* tm_gyl(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q + 1; }
-__device__ __forceinline__ const CUtensorMap* tm_dh(const BwdParams& P, int q) { return P.tm + 4 * P.base.E + 3 * q + 2; }
+__device__ __forceinline__ const CUtensorMap* tm_rank(const BwdParams& P, int q) {
+  return P.tm + 4 * P.base.nparts * P.base.L + 3 * part(P.base, q);
+}
+__device__ __forceinline__ const CUtensorMap* tm_xl(const BwdParams& P, int q) { return tm_rank(P, q); }
+__device__ __forceinline__ const CUtensorMap* tm_gyl(const BwdParams& P, int q) { return tm_rank(P, q) + 1; }
+__device__ __forceinline__ const CUtensorMap* tm_dh(const BwdParams& P, int q) { return tm_rank(P, q) + 2; }
 
-// Counters (zeroed per launch): [0] grid barrier (schedule.cuh / timeout.cuh use counters[0]),
-// [1] compute done, [2, 2+R) tickets, then ready[R][mb_cap], mb_done[R][mb_cap], s1_done[R][mb_cap][mt_max].
-__host__ __device__ inline long long bwd_ctr_count(int R, int mb_cap, int mt_max) {
-  return 2 + (long long)R + 2LL * R * mb_cap + (long long)R * mb_cap * mt_max;
+// Counters (zeroed per launch), per partition p of this launch (np = nparts):
+// [0] grid barrier (schedule.cuh / timeout.cuh use counters[0]), [1] compute done, [2, 2+np) tickets,
+// [2+np, 2+2np) grad_x token cursor, then ready[np][mb_cap], mb_done[np][mb_cap], s1_done[np][mb_cap][mt_max].
+__host__ __device__ inline long long bwd_ctr_count(int np, int mb_cap, int mt_max) {
+  return 2 + 2LL * np + 2LL * np * mb_cap + (long long)np * mb_cap * mt_max;
 }
 __device__ __forceinline__ unsigned* c_compute_done(const BwdParams& P) { return P.ctr + 1; }
-__device__ __forceinline__ unsigned* c_ticket(const BwdParams& P, int q) { return P.ctr + 2 + q; }
+__device__ __forceinline__ unsigned* c_ticket(const BwdParams& P, int q) { return P.ctr + 2 + part(P.base, q); }
+// next home token of rank q to reduce into grad_x (dynamic: SMs that arrive late take less)
+__device__ __forceinline__ unsigned* c_gradx_next(const BwdParams& P, int q) {
+  return P.ctr + 2 + P.base.nparts + part(P.base, q);
+}
+__device__ __forceinline__ long long c_base(const BwdParams& P) { return 2 + 2LL * P.base.nparts; }
 // +1 per comm CTA once its share of minibatch mb (x rows + scaled grad_out rows) is written
 __device__ __forceinline__ unsigned* c_ready(const BwdParams& P, int q, int mb) {
-  return P.ctr + 2 + P.base.R + (long long)q * P.base.mb_cap + mb;
+  return P.ctr + c_base(P) + (long long)part(P.base, q) * P.base.mb_cap + mb;
 }
 // +1 per finished stage-2 (dX) tile of minibatch mb (its reverse-dispatch pushes are written)
 __device__ __forceinline__ unsigned* c_mb_done(const BwdParams& P, int q, int mb) {
-  return P.ctr + 2 + P.base.R + (long long)P.base.R * P.base.mb_cap + (long long)q * P.base.mb_cap + mb;
+  return P.ctr + c_base(P) + (long long)P.base.nparts * P.base.mb_cap + (long long)part(P.base, q) * P.base.mb_cap + mb;
 }
 // +1 per finished stage-1 (dH) tile of row block mt of minibatch mb
 __device__ __forceinline__ unsigned* c_s1_done(const BwdParams& P, int q, int mb, int mt) {
-  return P.ctr + 2 + P.base.R + 2LL * P.base.R * P.base.mb_cap +
-         ((long long)q * P.base.mb_cap + mb) * P.base.mt_max + mt;
+  return P.ctr + c_base(P) + 2LL * P.base.nparts * P.base.mb_cap +
+         ((long long)part(P.base, q) * P.base.mb_cap + mb) * P.base.mt_max + mt;
+}
+// Rank q's per-partition schedule output.
+__device__ __forceinline__ const int* bwd_expert_off(const BwdParams& P, int q) {
+  return P.base.expert_off + part(P.base, q) * (P.base.L + 1);
+}
+__device__ __forceinline__ const int2* bwd_layout(const BwdParams& P, int q) {
+  return P.base.layout + (long long)part(P.base, q) * P.base.layout_cap;
 }
 
 // ---- fragment helpers (own copies; the forward's live in push_combine.cuh) ----

@@ -113,7 +113,7 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
     if (++ii == 2) { ii = 0; iph ^= 1u; }
     if (ti.kind == 0) return;
 
-    const int g = q * L + ti.expert;
+    const int g = bwd_expert(P, q, ti.expert);
     if (ti.kind == 1) {
       const int nk = ceil_div(B.H, kBK);
       const int first = P.br[q].saved_h != nullptr ? 1 : 0;  // forward kept h: no recompute operands
@@ -210,28 +210,8 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     if (ti.kind == 1) {
       __nv_bfloat16* const dhp = P.br[q].dh;
       __nv_bfloat16* const actp = P.br[q].act;
-      if constexpr (kSavedH) {
-        // act = bf16(silu(g) * u) elementwise from the forward's h: this WG's 64 rows x 128 cols in
-        // coalesced 16-byte chunks (c1 / c2 are recomputed from h in epilogue 2, nothing is parked)
-        for (int i = lt; i < 64 * 16; i += 128) {
-          const int r = wgc * 64 + (i >> 4);
-          const int c = ti.nt * 128 + 8 * (i & 15);
-          if (r < ti.rows && c < F) {
-            const long long row = (long long)ti.row0 + r;
-            const uint4 gv = __ldg(reinterpret_cast<const uint4*>(saved_h + row * 2 * F + c));
-            const uint4 uv = __ldg(reinterpret_cast<const uint4*>(saved_h + row * 2 * F + F + c));
-            const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv);
-            const __nv_bfloat162* u2 = reinterpret_cast<const __nv_bfloat162*>(&uv);
-            uint32_t o[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const float2 g = __bfloat1622float2(g2[k]), u = __bfloat1622float2(u2[k]);
-              o[k] = pack2(g.x / (1.0f + __expf(-g.x)) * u.x, g.y / (1.0f + __expf(-g.y)) * u.y);
-            }
-            *reinterpret_cast<uint4*>(actp + row * F + c) = make_uint4(o[0], o[1], o[2], o[3]);
-          }
-        }
-      } else {
+      // kSavedH: act is written by the comm SMs (bwd_act_rows); g / u for epilogue 2 are prefetched below.
+      if constexpr (!kSavedH) {
       // acc cols 8j + 2(lane%4) + {0,1}: j < 16 gate col nt*128 + 8j.., j >= 16 up col nt*128 + 8(j-16)..
       // c1 / c2 are parked in this thread's own (row, col pair) words of dh (4-byte stores, fragment order)
       // and read back by the same thread after loop D: keeping them in registers across loop D spills.
@@ -268,7 +248,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           if (r < ti.rows && c < F) *reinterpret_cast<uint4*>(actp + row * F + c) = va;
         }
       }
-      }  // kSavedH
+      }  // !kSavedH
       for (int kb = 0; kb < nkD; ++kb) {
         mbar_wait(B, &sm.full[st], ph, q, 4);
         const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
@@ -290,6 +270,27 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       cute::warpgroup_wait<0>();
       fence_acc64(acc);
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+      // kSavedH: this thread's h words for epilogue 2 (g and u of its 2 rows x 16 column pairs), loaded
+      // before loop D so their latency hides under it (loaded after it, the dependent 4-byte loads made the
+      // epilogue ~30% of the tile). They live in acc[64..127], which loop D (n128) leaves untouched: the
+      // wgmma asm keeps all 128 accumulators live, so separate arrays would spill.
+      uint32_t hg[2][16], hu[2][16];
+      if constexpr (kSavedH) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_lo + 8 * h;
+          const long long row = (long long)ti.row0 + r;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
+            const bool ok = r < ti.rows && cf < F;
+            const unsigned gw = ok ? __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + cf)) : 0u;
+            const unsigned uw = ok ? __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + F + cf)) : 0u;
+            hg[h][j] = gw;
+            hu[h][j] = uw;
+          }
+        }
+      }
       const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage1, (unsigned)ti.mb, t_tile, t_epi);
       // acc[0..63] = dA, cols 8j + 2(lane%4) + {0,1} (j < 16) = col nt*128 + 8j..
@@ -307,11 +308,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
             // f1 = c1 = u * dsilu(g), f2 = c2 = silu(g): parked in epilogue 1, or from the forward's h
             float2 f1, f2;
             if constexpr (kSavedH) {
-              uint32_t gv = 0u, uv = 0u;
-              if (r < ti.rows && cf < F) {
-                gv = __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + cf));
-                uv = __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + F + cf));
-              }
+              const uint32_t gv = hg[h][j], uv = hu[h][j];
               const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
               const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
               const float sx = 1.0f / (1.0f + __expf(-g.x)), sy = 1.0f / (1.0f + __expf(-g.y));
@@ -357,7 +354,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
         const int r = r_lo + 8 * h;
         __nv_bfloat16* dst = nullptr;
         if (r < ti.rows) {
-          const int2 src = B.layout[(long long)q * B.layout_cap + ti.row0 + r];
+          const int2 src = bwd_layout(P, q)[ti.row0 + r];
           dst = P.br[src.x].grad_buf + (long long)src.y * H;  // push: home rank's grad_buf[t, k, :]
         }
 #pragma unroll
@@ -394,7 +391,7 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  for (int e = threadIdx.x; e <= P.base.L; e += blockDim.x) sm.off[e] = P.base.expert_off[q * (P.base.L + 1) + e];
+  for (int e = threadIdx.x; e <= P.base.L; e += blockDim.x) sm.off[e] = bwd_expert_off(P, q)[e];
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
