@@ -177,7 +177,7 @@ BwdWs plan(const MokBwdArgs* a) {
   w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
-  w.tmaps = take((size_t)(4 * w.E + 3 * a->R) * sizeof(CUtensorMap));  // emulated: np = R
+  w.tmaps = take((size_t)(4 * w.E + 4 * a->R) * sizeof(CUtensorMap));  // emulated: np = R
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
   w.layout = take((size_t)a->R * (size_t)a->cap * sizeof(int2));
@@ -299,19 +299,22 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     if (!encode_2d(&maps[4 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, 128, errbuf, errlen,
                    "w1 up"))
       return 1;
-    if (!encode_2d(&maps[4 * g + 2], w2t, H, F, H, mok::kBK, 128, errbuf, errlen, "w2^T")) return 1;
+    // saved h: 256-column stage-1 tiles (256-row W2^T boxes); recompute: 128-column tiles
+    if (!encode_2d(&maps[4 * g + 2], w2t, H, F, H, mok::kBK, a->saved_h ? 256 : 128, errbuf, errlen, "w2^T")) return 1;
     if (!encode_2d(&maps[4 * g + 3], w1t, 2 * F, H, 2 * F, mok::kBK, mok::kBN, errbuf, errlen, "w1^T")) return 1;
   }
   const unsigned long long cap = (unsigned long long)a->cap;
   for (int q = 0; q < a->R; ++q) {
-    if (!encode_2d(&maps[4 * ws.E + 3 * q + 0], reinterpret_cast<void*>(a->xl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf,
-                   errlen, "xl"))
+    CUtensorMap* rm = &maps[4 * ws.E + 4 * q];
+    if (!encode_2d(&rm[0], reinterpret_cast<void*>(a->xl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "xl"))
       return 1;
-    if (!encode_2d(&maps[4 * ws.E + 3 * q + 1], reinterpret_cast<void*>(a->gyl[q]), H, cap, H, mok::kBK, mok::kBM,
-                   errbuf, errlen, "gyl"))
+    if (!encode_2d(&rm[1], reinterpret_cast<void*>(a->gyl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "gyl"))
       return 1;
-    if (!encode_2d(&maps[4 * ws.E + 3 * q + 2], reinterpret_cast<void*>(a->dh[q]), 2 * F, cap, 2 * F, mok::kBK,
-                   mok::kBM, errbuf, errlen, "dh"))
+    if (!encode_2d(&rm[2], reinterpret_cast<void*>(a->dh[q]), 2 * F, cap, 2 * F, mok::kBK, mok::kBM, errbuf, errlen,
+                   "dh"))
+      return 1;
+    if (a->saved_h && !encode_2d(&rm[3], reinterpret_cast<void*>(a->saved_h[q]), 2 * F, cap, 2 * F, mok::kBK,
+                                 mok::kBM, errbuf, errlen, "saved_h"))
       return 1;
   }
   mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
@@ -369,7 +372,7 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   P.br = reinterpret_cast<const mok::bwd::BwdRank*>(wsp + ws.branks);
   P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
   P.ctr = B.counters;
-  P.nt1 = (F + 127) / 128;
+  P.nt1 = a->saved_h ? (F + 255) / 256 : (F + 127) / 128;  // stage-1 tile width: see bwd_consumer_saved
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.t1 = ws.mt_max * P.nt1;
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);

@@ -120,7 +120,7 @@ __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const float2 g = __bfloat1622float2(g2[k]), x = __bfloat1622float2(u2[k]);
-            o[k] = pack2(g.x / (1.0f + __expf(-g.x)) * x.x, g.y / (1.0f + __expf(-g.y)) * x.y);
+            o[k] = pack2(g.x * sigmoid_fast(g.x) * x.x, g.y * sigmoid_fast(g.y) * x.y);  // as the recompute path
           }
           o4[v] = make_uint4(o[0], o[1], o[2], o[3]);
         }

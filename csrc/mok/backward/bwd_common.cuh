@@ -38,18 +38,20 @@ struct BwdParams {
 
 // Tensor maps (this launch's partitions p = part(q) = q - rank0; emulated EP: p = q):
 // per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2^T [F,H], 4g+3 W1^T [H,2F];
-// per partition p: 4*np*L + 3p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F].
+// per partition p: 4*np*L + 4p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset).
+// W2^T boxes are 128 rows (recompute: 128-col stage-1 tiles) or 256 rows (saved h: 256-col tiles).
 __device__ __forceinline__ int bwd_expert(const BwdParams& P, int q, int e) { return part(P.base, q) * P.base.L + e; }
 __device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
 __device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }
 __device__ __forceinline__ const CUtensorMap* tm_w2t(const BwdParams& P, int g) { return P.tm + 4 * g + 2; }
 __device__ __forceinline__ const CUtensorMap* tm_w1t(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
 __device__ __forceinline__ const CUtensorMap* tm_rank(const BwdParams& P, int q) {
-  return P.tm + 4 * P.base.nparts * P.base.L + 3 * part(P.base, q);
+  return P.tm + 4 * P.base.nparts * P.base.L + 4 * part(P.base, q);
 }
 __device__ __forceinline__ const CUtensorMap* tm_xl(const BwdParams& P, int q) { return tm_rank(P, q); }
 __device__ __forceinline__ const CUtensorMap* tm_gyl(const BwdParams& P, int q) { return tm_rank(P, q) + 1; }
 __device__ __forceinline__ const CUtensorMap* tm_dh(const BwdParams& P, int q) { return tm_rank(P, q) + 2; }
+__device__ __forceinline__ const CUtensorMap* tm_h(const BwdParams& P, int q) { return tm_rank(P, q) + 3; }
 
 // Counters (zeroed per launch), per partition p of this launch (np = nparts):
 // [0] grid barrier (schedule.cuh / timeout.cuh use counters[0]), [1] compute done, [2, 2+np) tickets,
@@ -84,6 +86,10 @@ __device__ __forceinline__ const int* bwd_expert_off(const BwdParams& P, int q) 
 __device__ __forceinline__ const int2* bwd_layout(const BwdParams& P, int q) {
   return P.base.layout + (long long)part(P.base, q) * P.base.layout_cap;
 }
+
+// sigmoid without the IEEE division: `1.0f / x` has an out-of-line slow path, and a call next to the
+// 128 live accumulators makes ptxas spill kilobytes (MUFU.RCP based, ~2 ulp; outputs are bf16).
+__device__ __forceinline__ float sigmoid_fast(float g) { return __fdividef(1.0f, 1.0f + __expf(-g)); }
 
 // ---- fragment helpers (own copies; the forward's live in push_combine.cuh) ----
 __device__ __forceinline__ uint32_t pack2(float a, float b) {

@@ -114,10 +114,32 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
     if (ti.kind == 0) return;
 
     const int g = bwd_expert(P, q, ti.expert);
-    if (ti.kind == 1) {
+    if (ti.kind == 1 && P.br[q].saved_h != nullptr) {
+      // saved h: dA loop (A = gy rows, B = 256 rows of W2^T), then the tile's g / u columns: per 128-col
+      // half one stage of g and one of u (two [128 x 64] boxes each; bwd_consumer_saved reads them)
       const int nk = ceil_div(B.H, kBK);
-      const int first = P.br[q].saved_h != nullptr ? 1 : 0;  // forward kept h: no recompute operands
-      for (int phase = first; phase < 2; ++phase) {  // 0: h operands (x, gate/up), 1: dA operands (gy, W2^T)
+      for (int kb = 0; kb < nk; ++kb) {
+        mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+        uint8_t* a_s = sm.stages + st * kStageBytes;
+        Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+        tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
+        tma_load_2d(tm_w2t(P, g), &sm.full[st], a_s + kATileBytes, kb * kBK, ti.nt * 256);
+        if (++st == kStages) { st = 0; ph ^= 1u; }
+      }
+      for (int hf = 0; hf < 2; ++hf) {
+        for (int part_u = 0; part_u < 2; ++part_u) {  // 0: g columns, 1: u columns (F further right)
+          mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+          uint8_t* s_s = sm.stages + st * kStageBytes;
+          const int c0 = part_u * B.F + ti.nt * 256 + hf * 128;
+          Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)(2 * kATileBytes));
+          tma_load_2d(tm_h(P, q), &sm.full[st], s_s, c0, ti.row0);
+          tma_load_2d(tm_h(P, q), &sm.full[st], s_s + kATileBytes, c0 + kBK, ti.row0);
+          if (++st == kStages) { st = 0; ph ^= 1u; }
+        }
+      }
+    } else if (ti.kind == 1) {
+      const int nk = ceil_div(B.H, kBK);
+      for (int phase = 0; phase < 2; ++phase) {  // 0: h operands (x, gate/up), 1: dA operands (gy, W2^T)
         for (int kb = 0; kb < nk; ++kb) {
           mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
           uint8_t* a_s = sm.stages + st * kStageBytes;
@@ -150,11 +172,42 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
   }
 }
 
+// Stage-2 epilogue: the tile's dX rows (bf16) pushed to their home ranks' grad_buf[t, k, :] (peer
+// stores in real EP), then +1 on mb_done (frees the ring slot once every tile of the minibatch is done).
+__device__ __forceinline__ void push_dx_tile(const BwdParams& P, int q, const BTile& ti, const float* acc, int r_lo,
+                                             int lane) {
+  const int H = P.base.H;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r_lo + 8 * h;
+    __nv_bfloat16* dst = nullptr;
+    if (r < ti.rows) {
+      const int2 src = bwd_layout(P, q)[ti.row0 + r];
+      dst = P.br[src.x].grad_buf + (long long)src.y * H;
+    }
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += 4) {
+      const uint4 v = quad_xpose(pack2(acc[4 * j0 + 2 * h], acc[4 * j0 + 2 * h + 1]),
+                                 pack2(acc[4 * (j0 + 1) + 2 * h], acc[4 * (j0 + 1) + 2 * h + 1]),
+                                 pack2(acc[4 * (j0 + 2) + 2 * h], acc[4 * (j0 + 2) + 2 * h + 1]),
+                                 pack2(acc[4 * (j0 + 3) + 2 * h], acc[4 * (j0 + 3) + 2 * h + 1]), lane);
+      const int c = ti.nt * kBN + 8 * (j0 + (lane & 3));
+      if (dst != nullptr && c < H) *reinterpret_cast<uint4*>(dst + c) = v;
+    }
+  }
+  named_bar_sync(1, 256);
+  if (threadIdx.x == 128) {
+    __threadfence();
+    red_release_gpu_add(c_mb_done(P, q, ti.mb), 1u);
+  }
+}
+
+// Byte offset of element (row r, col c) of a [128 rows x 64 cols] bf16 TMA box with 128-byte swizzle:
+// row r at r * 128, its 16-byte chunk (c / 8) XOR-ed with r % 8.
+__device__ __forceinline__ int sw128_offset(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + ((c & 7) << 1); }
+
 // ------------------------------------------------------------------------------------------------
-// kSavedH: the forward kept h (br.saved_h): stage 1 has no loop G and reads g / u from there. A template
-// parameter, not a runtime branch, so each variant keeps its own register allocation (a shared branch
-// spilled ~1.3 KB).
-template <bool kSavedH>
+// Recompute variant (no saved h): stage 1 = loop G (fc1 recompute) + loop D (dA, n128), see above.
 __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
@@ -180,8 +233,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     //          acc[0..63] = gy @ W2^T rows (n128) = dA; epilogue 2: dh = [dA * c1 | dA * c2].
     // Stage 2: loop G only (K = 2F): acc = dh @ W1^T rows (n256); epilogue = push.
     // Straight loops with data-dependent trip counts (no branch around the wgmma instructions).
-    const __nv_bfloat16* const saved_h = P.br[q].saved_h;
-    const int nkG = ti.kind == 1 ? (kSavedH ? 0 : ceil_div(H, kBK)) : ceil_div(2 * F, kBK);
+    const int nkG = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     const int nkD = ti.kind == 1 ? ceil_div(H, kBK) : 0;
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     int prev = 0;
@@ -210,8 +262,6 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     if (ti.kind == 1) {
       __nv_bfloat16* const dhp = P.br[q].dh;
       __nv_bfloat16* const actp = P.br[q].act;
-      // kSavedH: act is written by the comm SMs (bwd_act_rows); g / u for epilogue 2 are prefetched below.
-      if constexpr (!kSavedH) {
       // acc cols 8j + 2(lane%4) + {0,1}: j < 16 gate col nt*128 + 8j.., j >= 16 up col nt*128 + 8(j-16)..
       // c1 / c2 are parked in this thread's own (row, col pair) words of dh (4-byte stores, fragment order)
       // and read back by the same thread after loop D: keeping them in registers across loop D spills.
@@ -230,7 +280,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
             for (int p = 0; p < 2; ++p) {
               const float g = acc[4 * j + 2 * h + p];
               const float u = acc[4 * (j + 16) + 2 * h + p];
-              const float sig = 1.0f / (1.0f + __expf(-g));
+              const float sig = sigmoid_fast(g);
               const float silu = g * sig;
               v1[p] = u * (sig * (1.0f + g * (1.0f - sig)));
               v2[p] = silu;
@@ -248,7 +298,6 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           if (r < ti.rows && c < F) *reinterpret_cast<uint4*>(actp + row * F + c) = va;
         }
       }
-      }  // !kSavedH
       for (int kb = 0; kb < nkD; ++kb) {
         mbar_wait(B, &sm.full[st], ph, q, 4);
         const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
@@ -270,27 +319,6 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       cute::warpgroup_wait<0>();
       fence_acc64(acc);
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
-      // kSavedH: this thread's h words for epilogue 2 (g and u of its 2 rows x 16 column pairs), loaded
-      // before loop D so their latency hides under it (loaded after it, the dependent 4-byte loads made the
-      // epilogue ~30% of the tile). They live in acc[64..127], which loop D (n128) leaves untouched: the
-      // wgmma asm keeps all 128 accumulators live, so separate arrays would spill.
-      uint32_t hg[2][16], hu[2][16];
-      if constexpr (kSavedH) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = r_lo + 8 * h;
-          const long long row = (long long)ti.row0 + r;
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
-            const bool ok = r < ti.rows && cf < F;
-            const unsigned gw = ok ? __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + cf)) : 0u;
-            const unsigned uw = ok ? __ldg(reinterpret_cast<const unsigned int*>(saved_h + row * 2 * F + F + cf)) : 0u;
-            hg[h][j] = gw;
-            hu[h][j] = uw;
-          }
-        }
-      }
       const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage1, (unsigned)ti.mb, t_tile, t_epi);
       // acc[0..63] = dA, cols 8j + 2(lane%4) + {0,1} (j < 16) = col nt*128 + 8j..
@@ -305,27 +333,14 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           for (int jj = 0; jj < 4; ++jj) {
             const int j = j0 + jj;
             const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
-            // f1 = c1 = u * dsilu(g), f2 = c2 = silu(g): parked in epilogue 1, or from the forward's h
-            float2 f1, f2;
-            if constexpr (kSavedH) {
-              const uint32_t gv = hg[h][j], uv = hu[h][j];
-              const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
-              const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
-              const float sx = 1.0f / (1.0f + __expf(-g.x)), sy = 1.0f / (1.0f + __expf(-g.y));
-              // same bf16 rounding of c1 / c2 as the parked path
-              const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
-              const uint32_t p2 = pack2(g.x * sx, g.y * sy);
-              f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
-              f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
-            } else {
-              uint32_t w1v = 0u, w2v = 0u;
-              if (r < ti.rows && cf < F) {
-                w1v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + cf);
-                w2v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + F + cf);
-              }
-              f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w1v));
-              f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2v));
+            // f1 = c1 = u * dsilu(g), f2 = c2 = silu(g): parked in epilogue 1
+            uint32_t w1v = 0u, w2v = 0u;
+            if (r < ti.rows && cf < F) {
+              w1v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + cf);
+              w2v = *reinterpret_cast<const uint32_t*>(dhp + row * 2 * F + F + cf);
             }
+            const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w1v));
+            const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w2v));
             const float d0 = acc[4 * j + 2 * h], d1 = acc[4 * j + 2 * h + 1];
             wg[jj] = pack2(d0 * f1.x, d1 * f1.y);
             wu[jj] = pack2(d0 * f2.x, d1 * f2.y);
@@ -349,29 +364,139 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     } else {
       const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
+      push_dx_tile(P, q, ti, acc, r_lo, lane);
+      if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Saved-h variant: the forward kept h = [g | u], so stage 1 has no recompute and its tile is as wide as
+// stage 2's: loop (K = H): acc[128 x 256] = gy_rows @ W2^T rows [nt*256, +256) (dA, n256 atom: half
+// the operand bytes per FLOP of the 128-column tile, whose loop was L2-bound). Its g / u columns come
+// through the same smem ring right after the loop (the producer's 4 h stages: per 128-column half, one
+// stage of g and one of u, two [128 x 64] boxes each), so the epilogue reads them from smem instead of
+// waiting on global loads:
+//   c1 = bf16(u * dsilu(g)), c2 = bf16(silu(g)); dh = [bf16(dA * c1) | bf16(dA * c2)].
+// act is written by the comm SMs (bwd_act_rows).
+__device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, int wgc) {
+  const Params& B = P.base;
+  const int lt = threadIdx.x & 127;
+  const int warp_in_wg = lt >> 5, lane = lt & 31;
+  const int H = B.H, F = B.F;
+  float acc[128];
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  while (true) {
+    mbar_wait(B, &sm.info_full[ii], iph, q, 3);
+    const BTile ti = sm.info[ii];
+    named_bar_sync(2 + wgc, 128);
+    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) break;
+    const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
+    const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
+
+    const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
+    const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    int prev = 0;
+    for (int kb = 0; kb < nk; ++kb) {
+      mbar_wait(B, &sm.full[st], ph, q, 4);
+      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
+      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+      const uint64_t da = make_smem_desc_sw128(a_s);
+      const uint64_t db = make_smem_desc_sw128(b_s);
+      fence_acc(acc);
+      cute::warpgroup_arrive();
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        __nv_bfloat16* dst = nullptr;
-        if (r < ti.rows) {
-          const int2 src = bwd_layout(P, q)[ti.row0 + r];
-          dst = P.br[src.x].grad_buf + (long long)src.y * H;  // push: home rank's grad_buf[t, k, :]
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      fence_acc(acc);
+      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+      prev = st;
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+    cute::warpgroup_wait<0>();
+    fence_acc(acc);
+    if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+
+    if (ti.kind == 1) {
+      const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
+      if (rec) timeline_record(B, kTlBwdStage1, (unsigned)ti.mb, t_tile, t_epi);
+      __nv_bfloat16* const dhp = P.br[q].dh;
+      // acc cols 8J + 2(lane%4) + {0,1}, J < 32 = tile col; half hf holds J in [16hf, 16hf + 16)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int sg = st;
+        const uint32_t pg = ph;
+        if (++st == kStages) { st = 0; ph ^= 1u; }
+        const int su = st;
+        const uint32_t pu = ph;
+        if (++st == kStages) { st = 0; ph ^= 1u; }
+        mbar_wait(B, &sm.full[sg], pg, q, 4);
+        mbar_wait(B, &sm.full[su], pu, q, 4);
+        const uint8_t* gsm = sm.stages + sg * kStageBytes;
+        const uint8_t* usm = sm.stages + su * kStageBytes;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = r_lo + 8 * h;
+          const long long row = (long long)ti.row0 + r;
+#pragma unroll
+          for (int j0 = 0; j0 < 16; j0 += 4) {
+            uint32_t wg[4], wu[4];
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const int j = j0 + jj;                      // 8-col group within the half
+              const int cc = 8 * j + 2 * (lane & 3);      // col within the half (0..127)
+              const int off = (cc >> 6) * (kBM * kBK * 2) + sw128_offset(r, cc & 63);
+              const uint32_t gv = *reinterpret_cast<const uint32_t*>(gsm + off);
+              const uint32_t uv = *reinterpret_cast<const uint32_t*>(usm + off);
+              const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
+              const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
+              const float sx = sigmoid_fast(g.x), sy = sigmoid_fast(g.y);
+              // c1 / c2 rounded to bf16 as in the recompute path (parked there)
+              const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
+              const uint32_t p2 = pack2(g.x * sx, g.y * sy);
+              const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
+              const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
+              const int J = 16 * hf + j;
+              const float d0 = acc[4 * J + 2 * h], d1 = acc[4 * J + 2 * h + 1];
+              wg[jj] = pack2(d0 * f1.x, d1 * f1.y);
+              wu[jj] = pack2(d0 * f2.x, d1 * f2.y);
+            }
+            const uint4 vg = quad_xpose(wg[0], wg[1], wg[2], wg[3], lane);
+            const uint4 vu = quad_xpose(wu[0], wu[1], wu[2], wu[3], lane);
+            const int c = ti.nt * 256 + 128 * hf + 8 * (j0 + (lane & 3));
+            if (r < ti.rows && c < F) {
+              *reinterpret_cast<uint4*>(dhp + row * 2 * F + c) = vg;
+              *reinterpret_cast<uint4*>(dhp + row * 2 * F + F + c) = vu;
+            }
+            // keep the next group's smem loads below this point: hoisting all 64 of them next to the 128
+            // live accumulators is what made ptxas spill
+            asm volatile("" ::: "memory");
+          }
         }
-#pragma unroll
-        for (int j0 = 0; j0 < 32; j0 += 4) {
-          const uint4 v = quad_xpose(pack2(acc[4 * j0 + 2 * h], acc[4 * j0 + 2 * h + 1]),
-                                     pack2(acc[4 * (j0 + 1) + 2 * h], acc[4 * (j0 + 1) + 2 * h + 1]),
-                                     pack2(acc[4 * (j0 + 2) + 2 * h], acc[4 * (j0 + 2) + 2 * h + 1]),
-                                     pack2(acc[4 * (j0 + 3) + 2 * h], acc[4 * (j0 + 3) + 2 * h + 1]), lane);
-          const int c = ti.nt * kBN + 8 * (j0 + (lane & 3));
-          if (dst != nullptr && c < H) *reinterpret_cast<uint4*>(dst + c) = v;
+        named_bar_sync(2 + wgc, 128);  // this warpgroup's smem reads of both stages are done
+        if (lt == 0) {
+          Barrier::arrive(&sm.empty[sg]);
+          Barrier::arrive(&sm.empty[su]);
         }
       }
+      fence_proxy_async_global();  // dh is read next by TMA (stage-2 tiles, maybe other SMs)
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {
         __threadfence();
-        red_release_gpu_add(c_mb_done(P, q, ti.mb), 1u);
+        red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
       }
+      if (rec) timeline_record(B, kTlBwdStage1Epi, (unsigned)ti.mb, t_epi, globaltimer_ns());
+    } else {
+      const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
+      if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
+      push_dx_tile(P, q, ti, acc, r_lo, lane);
       if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
     }
   }
@@ -401,9 +526,9 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
   } else {
     setmaxnreg_inc<224>();
     if (P.br[q].saved_h != nullptr)
-      bwd_consumer<true>(P, q, sm, wg - 1);
+      bwd_consumer_saved(P, q, sm, wg - 1);
     else
-      bwd_consumer<false>(P, q, sm, wg - 1);
+      bwd_consumer(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       __threadfence();
