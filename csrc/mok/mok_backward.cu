@@ -9,11 +9,14 @@
 // rank = comm role (pull, router grad), the rest = compute role (bwd_gemm.cuh); at the end every
 // CTA of rank q helps with grad_x of rank q's tokens.
 //
-// Host API (extern "C", ctypes): mok_bwd_workspace_bytes, mok_bwd_emulated_launch, mok_bwd_version.
+// Host API (extern "C", ctypes): mok_bwd_workspace_bytes, mok_bwd_emulated_launch, mok_bwd_rank_launch,
+// mok_bwd_version.
 #include "backward/bwd_comm.cuh"
 #include "backward/bwd_common.cuh"
 #include "backward/bwd_gemm.cuh"
+#include "peer_sync.cuh"
 #include "schedule.cuh"
+#include "host_launch.h"
 
 #include <algorithm>
 #include <cstdarg>
@@ -25,6 +28,13 @@
 namespace mok {
 namespace bwd {
 
+// Before grad_x of rank q: every rank's dX rows have been pushed (emulated EP: one counter over all
+// partitions; per-rank launches: every peer's compute-done signal).
+__device__ __forceinline__ bool bwd_wait_all_computed(const BwdParams& P, int q, unsigned all_compute) {
+  if (P.base.peer_sync) return wait_peers(P.base, q, kSigDone, kPhasePeerDone);
+  return wait_counter_geq(P.base, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_constant__ BwdParams P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
@@ -32,6 +42,13 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   const Params& B = P.base;
 
   const unsigned long long t_entry = B.timeline != nullptr ? globaltimer_ns() : 0ull;
+  // ---- per-rank launch: meet every peer (x / idx / w / grad_out published, previous call finished) ----
+  if (B.peer_sync) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) signal_peers(B, B.rank0, kSigStart);
+    if (threadIdx.x == 0) s_flag = wait_peers(B, B.rank0, kSigStart, kPhasePeerStart) ? 1 : 0;
+    __syncthreads();
+    if (!s_flag) return;
+  }
   // ---- schedule (all CTAs): the forward's layout, recomputed from the routing ----
   schedule_count(B);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)
   if (!grid_barrier(B, 1, &s_flag)) return;
@@ -47,8 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   const unsigned all_compute = (unsigned)(B.nparts * n_comp);
   if (local < B.comm_sms) {
     if (!bwd_comm_role(P, q, local, &s_flag)) return;
-    if (threadIdx.x == 0)
-      s_flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    if (threadIdx.x == 0) s_flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
@@ -60,8 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   } else {
     if (!bwd_compute_role(P, q, smem)) return;  // producer warpgroup leaves here
     int* flag = reinterpret_cast<int*>(smem);
-    if (threadIdx.x == 128)
-      *flag = wait_counter_geq(B, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2) ? 1 : 0;
+    if (threadIdx.x == 128) *flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
@@ -117,30 +132,26 @@ struct MokBwdArgs {
   unsigned long long timeline;
   unsigned long long timeline_count;
   int timeline_cap;
+  // Per-rank launch (mok_bwd_rank_launch) only; the emulated launch ignores these. Then x / idx / w /
+  // grad_out / grad_buf / signal are every rank's symmetric-memory pointers, the owner-side arrays
+  // (xl, gyl, dh, act, saved_h, grad_x, grad_w, combine, tpe) only need this rank's entry, and
+  // w1 / w1_ld / w2t / w1t hold this rank's L experts.
+  int rank;                           // -1 = emulated (all R ranks in this launch)
+  unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
+  const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[3*72])
 };
 
 }  // extern "C"
 
 namespace {
 
+using namespace mok_host;
+
 struct BwdWs {
   size_t tmaps, ranks, branks, layout, local_rank, expert_total, expert_off, zero_begin, counters, chunk_counts,
       zero_end, total;
   int num_chunks, total_entries, mt_max, mb_cap, E;
 };
-
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-int write_err(char* buf, int len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-int write_err(char* buf, int len, const char* fmt, ...) {
-  if (buf && len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, (size_t)len, fmt, ap);
-    va_end(ap);
-  }
-  return 1;
-}
 
 bool validate(const MokBwdArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
@@ -162,9 +173,13 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
   return true;
 }
 
+// Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
+int launch_parts(const MokBwdArgs* a) { return a->rank >= 0 ? 1 : a->R; }
+
 BwdWs plan(const MokBwdArgs* a) {
   BwdWs w{};
   w.E = a->R * a->L;
+  const int np = launch_parts(a);
   long long entries = 0;
   int chunks = 0;
   for (int r = 0; r < a->R; ++r) {
@@ -177,61 +192,21 @@ BwdWs plan(const MokBwdArgs* a) {
   w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
-  w.tmaps = take((size_t)(4 * w.E + 4 * a->R) * sizeof(CUtensorMap));  // emulated: np = R
+  w.tmaps = take((size_t)(4 * np * a->L + 4 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
-  w.layout = take((size_t)a->R * (size_t)a->cap * sizeof(int2));
+  w.layout = take((size_t)np * (size_t)a->cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
-  w.expert_off = take((size_t)a->R * (a->L + 1) * 4);
+  w.expert_off = take((size_t)np * (a->L + 1) * 4);
   w.zero_begin = off;
-  w.counters = take((size_t)mok::bwd::bwd_ctr_count(a->R, w.mb_cap, w.mt_max) * 4);
+  w.counters = take((size_t)mok::bwd::bwd_ctr_count(np, w.mb_cap, w.mt_max) * 4);
   w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
   w.zero_end = off;
   w.total = off;
   return w;
 }
 
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn get_encode_fn() {
-  static EncodeTiledFn fn = nullptr;
-  if (!fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
-bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
-               unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el, const char* what) {
-  EncodeTiledFn fn = get_encode_fn();
-  if (!fn) return !write_err(eb, el, "cuTensorMapEncodeTiled entry point not available");
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return !write_err(eb, el, "%s: base pointer not 16-byte aligned", what);
-  if ((ld * 2) % 16 != 0) return !write_err(eb, el, "%s: row stride %llu not a multiple of 8", what, ld);
-  cuuint64_t dims[2] = {inner, outer > 0 ? outer : 1};
-  cuuint64_t strides[1] = {ld * 2};
-  cuuint32_t box[2] = {box_inner, box_outer};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return !write_err(eb, el, "%s: cuTensorMapEncodeTiled failed (%d)", what, (int)r);
-  return true;
-}
-
-#define MOK_CUDA_CHECK(call)                                                                       \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess)                                                                         \
-      return write_err(errbuf, errlen, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_),     \
-                       __FILE__, __LINE__);                                                        \
-  } while (0)
 
 }  // namespace
 
@@ -244,8 +219,25 @@ long long mok_bwd_workspace_bytes(const MokBwdArgs* a) {
   return (long long)plan(a).total;
 }
 
-int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+}  // extern "C"
+
+namespace {
+
+// One launch of the backward kernel for ranks [rank0, rank0 + np): np = R (emulated EP, rank = -1) or
+// np = 1 (per-rank launch of rank `rank`, peers met through their signal pads).
+int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return 1;
+  const int np = launch_parts(a);
+  const int rank0 = a->rank >= 0 ? a->rank : 0;
+  if (a->rank >= 0) {
+    if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
+    if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
+    if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
+    for (int r = 0; r < a->R; ++r)
+      if (!a->signal[r] || !a->x[r] || !a->idx[r] || !a->w[r] || !a->grad_out[r] || !a->grad_buf[r])
+        return write_err(errbuf, errlen, "per-rank launch: rank %d's x / idx / w / grad_out / grad_buf / signal "
+                         "peer pointer is null", r);
+  }
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0, max_blocks = 0;
@@ -253,10 +245,11 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   const BwdWs ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / a->R;
+  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
   if (cpr < 2 || cpr - a->comm_sms < 1)
-    return write_err(errbuf, errlen, "R=%d ranks on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
-                     a->R, num_sms, cpr, a->comm_sms);
+    return write_err(errbuf, errlen,
+                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", np,
+                     num_sms, cpr, a->comm_sms);
   const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
   static int cached_smem[64] = {0}, cached_blocks[64] = {0};
   const int dslot = a->device & 63;
@@ -268,30 +261,19 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     cached_smem[dslot] = smem;
   }
   max_blocks = cached_blocks[dslot];
-  if ((long long)a->R * cpr > (long long)max_blocks * num_sms)
-    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", a->R, cpr, num_sms,
+  if ((long long)np * cpr > (long long)max_blocks * num_sms)
+    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
                      max_blocks);
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   const size_t hbytes = ws.layout;  // tensor maps + rank tables
-  static uint8_t* pinned = nullptr;
-  static size_t pinned_cap = 0;
-  // one pinned staging buffer; the previous launch's copy must be done before it is reused
-  static cudaEvent_t staged = nullptr;
-  if (staged) MOK_CUDA_CHECK(cudaEventSynchronize(staged));
-  else MOK_CUDA_CHECK(cudaEventCreateWithFlags(&staged, cudaEventDisableTiming));
-  if (pinned_cap < hbytes) {
-    if (pinned) cudaFreeHost(pinned);
-    pinned = nullptr;
-    pinned_cap = 0;
-    MOK_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&pinned), hbytes));
-    pinned_cap = hbytes;
-  }
-  uint8_t* host = pinned;
+  StagingBuf* stg = nullptr;
+  if (const char* msg = acquire_staging(hbytes, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
   memset(host, 0, hbytes);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F;
-  for (int g = 0; g < ws.E; ++g) {
+  for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1 / w2t / w1t hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
     const __nv_bfloat16* w2t = reinterpret_cast<const __nv_bfloat16*>(a->w2t[g]);
     const __nv_bfloat16* w1t = reinterpret_cast<const __nv_bfloat16*>(a->w1t[g]);
@@ -304,8 +286,9 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     if (!encode_2d(&maps[4 * g + 3], w1t, 2 * F, H, 2 * F, mok::kBK, mok::kBN, errbuf, errlen, "w1^T")) return 1;
   }
   const unsigned long long cap = (unsigned long long)a->cap;
-  for (int q = 0; q < a->R; ++q) {
-    CUtensorMap* rm = &maps[4 * ws.E + 4 * q];
+  for (int p = 0; p < np; ++p) {
+    const int q = rank0 + p;
+    CUtensorMap* rm = &maps[4 * np * L + 4 * p];
     if (!encode_2d(&rm[0], reinterpret_cast<void*>(a->xl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "xl"))
       return 1;
     if (!encode_2d(&rm[1], reinterpret_cast<void*>(a->gyl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "gyl"))
@@ -313,6 +296,9 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     if (!encode_2d(&rm[2], reinterpret_cast<void*>(a->dh[q]), 2 * F, cap, 2 * F, mok::kBK, mok::kBM, errbuf, errlen,
                    "dh"))
       return 1;
+    if (!a->xl[q] || !a->gyl[q] || !a->dh[q] || !a->act[q] || !a->grad_x[q] || !a->grad_w[q] || !a->tpe[q] ||
+        !a->combine[q] || (a->saved_h && !a->saved_h[q]))
+      return write_err(errbuf, errlen, "rank %d: an owner/home buffer pointer is null", q);
     if (a->saved_h && !encode_2d(&rm[3], reinterpret_cast<void*>(a->saved_h[q]), 2 * F, cap, 2 * F, mok::kBK,
                                  mok::kBM, errbuf, errlen, "saved_h"))
       return 1;
@@ -343,12 +329,13 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
     br[r].dh = reinterpret_cast<__nv_bfloat16*>(a->dh[r]);
     br[r].act = reinterpret_cast<__nv_bfloat16*>(a->act[r]);
     br[r].saved_h = a->saved_h ? reinterpret_cast<const __nv_bfloat16*>(a->saved_h[r]) : nullptr;
+    rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
   }
 
   mok::bwd::BwdParams P{};
   mok::Params& B = P.base;
   B.R = a->R; B.L = L; B.E = ws.E; B.H = H; B.F = F; B.K = a->K;
-  B.rank0 = 0; B.nparts = a->R; B.peer_sync = 0;  // emulated EP: every rank in this launch
+  B.rank0 = rank0; B.nparts = np; B.peer_sync = a->rank >= 0 ? 1 : 0; B.epoch = a->epoch;
   B.comm_sms = a->comm_sms; B.ctas_per_rank = cpr; B.ring_slots = a->ring_slots; B.minibatch = a->minibatch;
   B.mt_max = ws.mt_max;
   B.mb_cap = ws.mb_cap;
@@ -378,14 +365,14 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);
 
   MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, hbytes, cudaMemcpyHostToDevice, stream));
-  MOK_CUDA_CHECK(cudaEventRecord(staged, stream));
+  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
   if (a->timeline)
-    MOK_CUDA_CHECK(cudaMemsetAsync(B.timeline_count, 0, (size_t)a->R * cpr * sizeof(unsigned), stream));
+    MOK_CUDA_CHECK(cudaMemsetAsync(B.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
 
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(a->R * cpr));
+  cfg.gridDim = dim3((unsigned)(np * cpr));
   cfg.blockDim = dim3(mok::kThreads);
   cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
@@ -393,10 +380,30 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const char* coop = getenv("MOK_COOPERATIVE");  // as the forward: 0 = plain launch (diagnostics)
+  cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
   MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::bwd::mok_backward_kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Emulated EP: all R ranks' partitions in one launch on one GPU (a->rank is ignored).
+int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  MokBwdArgs b = *a;
+  b.rank = -1;
+  return backward_launch(&b, stream_ptr, errbuf, errlen);
+}
+
+// Per-rank launch of rank a->rank (real EP: one per GPU over symmetric memory). Every rank must launch
+// with the same epoch and token count; the kernel meets the peers on their signal pads (start: inputs
+// published; done: every rank's dX pushes landed) and reports a peer that never arrives.
+int mok_bwd_rank_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
+  return backward_launch(a, stream_ptr, errbuf, errlen);
 }
 
 }  // extern "C"

@@ -23,6 +23,7 @@
 #include "schedule.cuh"
 #include "timeline.cuh"
 #include "timeout.cuh"
+#include "host_launch.h"
 
 #include <algorithm>
 #include <cstdarg>
@@ -141,25 +142,14 @@ struct MokLaunchArgs {
 
 namespace {
 
+using namespace mok_host;
+
 struct WsLayout {
   size_t tmaps, ranks, ring, act, layout, local_rank, expert_total, expert_off, zero_begin, counters,
       chunk_counts, zero_end, total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E;
 };
-
-size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-int write_err(char* buf, int len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-int write_err(char* buf, int len, const char* fmt, ...) {
-  if (buf && len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, (size_t)len, fmt, ap);
-    va_end(ap);
-  }
-  return 1;
-}
 
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
@@ -220,76 +210,6 @@ WsLayout plan(const MokLaunchArgs* a) {
   return w;
 }
 
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn get_encode_fn() {
-  static EncodeTiledFn fn = nullptr;
-  if (!fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiledFn>(p);
-  }
-  return fn;
-}
-
-// 2-D bf16 row-major [outer, inner] with row stride ld (elements), box {box_inner, box_outer}, 128B swizzle.
-bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
-               unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el, const char* what) {
-  EncodeTiledFn fn = get_encode_fn();
-  if (!fn) return !write_err(eb, el, "cuTensorMapEncodeTiled entry point not available");
-  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
-    return !write_err(eb, el, "%s: base pointer not 16-byte aligned", what);
-  if ((ld * 2) % 16 != 0) return !write_err(eb, el, "%s: row stride %llu elements not a multiple of 8", what, ld);
-  cuuint64_t dims[2] = {inner, outer > 0 ? outer : 1};
-  cuuint64_t strides[1] = {ld * 2};
-  cuuint32_t box[2] = {box_inner, box_outer};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return !write_err(eb, el, "%s: cuTensorMapEncodeTiled failed (%d)", what, (int)r);
-  return true;
-}
-
-struct StagingBuf {
-  uint8_t* host = nullptr;
-  size_t cap = 0;
-  cudaEvent_t done = nullptr;
-  bool used = false;
-};
-
-// Round-robin over 4 pinned buffers; before reuse wait for that buffer's previous H2D copy.
-const char* acquire_staging(size_t bytes, StagingBuf** out) {
-  static StagingBuf bufs[4];
-  static int next = 0;
-  StagingBuf& b = bufs[next];
-  next = (next + 1) % 4;
-  if (b.used && cudaEventSynchronize(b.done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
-  if (b.cap < bytes) {
-    if (b.host) cudaFreeHost(b.host);
-    b.host = nullptr;
-    b.cap = 0;
-    if (cudaMallocHost(reinterpret_cast<void**>(&b.host), bytes) != cudaSuccess) return "cudaMallocHost failed";
-    b.cap = bytes;
-  }
-  if (!b.done && cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming) != cudaSuccess)
-    return "cudaEventCreate failed";
-  b.used = true;
-  *out = &b;
-  return nullptr;
-}
-
-#define MOK_CUDA_CHECK(call)                                                                       \
-  do {                                                                                             \
-    cudaError_t e_ = (call);                                                                       \
-    if (e_ != cudaSuccess)                                                                         \
-      return write_err(errbuf, errlen, "%s failed: %s (%s:%d)", #call, cudaGetErrorString(e_),     \
-                       __FILE__, __LINE__);                                                        \
-  } while (0)
 
 }  // namespace
 

@@ -54,7 +54,7 @@ _PHASES = {
 # build
 # ---------------------------------------------------------------------------------------------------
 def _sources(src: Path) -> list[Path]:
-    return sorted(src.glob("*.cu*")) + sorted((src / "backward").glob("*.cu*"))
+    return sorted([*src.glob("*.cu*"), *src.glob("*.h")]) + sorted((src / "backward").glob("*.cu*"))
 
 
 def _check_tools() -> tuple[str, Path, Path]:

@@ -88,7 +88,7 @@ def _nvcc_version(nvcc: str) -> str:
 
 def _cache_key(src: Path, flags: list[str], nvcc_ver: str) -> str:
     h = hashlib.sha256()
-    for f in sorted(src.glob("*.cu*")):
+    for f in sorted([*src.glob("*.cu*"), *src.glob("*.h")]):  # kernels + host headers
         h.update(f.name.encode())
         h.update(f.read_bytes())
     h.update(" ".join(flags).encode())

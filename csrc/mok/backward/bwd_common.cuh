@@ -6,6 +6,7 @@
 #pragma once
 #include "../common.cuh"
 #include "../gemm_sm90.cuh"
+#include "../peer_sync.cuh"
 #include "../ring_buffer.cuh"
 #include "../timeout.cuh"
 #include "../timeline.cuh"
