@@ -14,6 +14,8 @@ def test_region_layout_is_aligned_and_disjoint():
         (r.x_off, 8192 * 7168 * 2),
         (r.idx_off, 8192 * 8 * 4),
         (r.combine_off, 8192 * 8 * 7168 * 2),
+        (r.topk_w_off, 8192 * 8 * 4),
+        (r.grad_out_off, 8192 * 7168 * 2),
         (r.signal_off, SIGNAL_KINDS * MOK_MAX_RANKS * 4),
     ]
     end = 0

@@ -147,6 +147,10 @@ class _Args(ctypes.Structure):
         ("timeline", ctypes.c_ulonglong),
         ("timeline_count", ctypes.c_ulonglong),
         ("timeline_cap", ctypes.c_int),
+        # per-rank launch (mok_backward_rank) only
+        ("rank", ctypes.c_int),
+        ("epoch", ctypes.c_uint),
+        ("signal", ctypes.c_void_p),
     ]
 
 
@@ -179,21 +183,28 @@ unavailable_reason = _AVAILABILITY.unavailable_reason
 # ---------------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------------
-def _fail(msg: str) -> None:
-    raise ValueError(f"mok_backward_emulated: {msg}")
+def _fail(msg: str, who: str = "mok_backward_emulated") -> None:
+    raise ValueError(f"{who}: {msg}")
 
 
-def _check(t, name, dtype, shape, device, contiguous=True):
+def _check(t, name, dtype, shape, device, contiguous=True, who: str = "mok_backward_emulated"):
+    try:
+        _check_tensor(t, name, dtype, shape, device, contiguous)
+    except ValueError as exc:
+        raise ValueError(f"{who}: {exc}") from None
+
+
+def _check_tensor(t, name, dtype, shape, device, contiguous):
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}")
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
-        _fail(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.device != device:
-        _fail(f"{name} is on {t.device}, expected {device}")
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
     if contiguous and not t.is_contiguous():
-        _fail(f"{name} must be contiguous")
+        raise ValueError(f"{name} must be contiguous")
 
 
 def _u64(vals):
@@ -469,3 +480,198 @@ def mok_backward_emulated(
     if return_buffers:
         return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act, grad_buf=grad_buf)
     return grad_x, grad_w, gw1, gw2
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-rank launch (real EP over torch symmetric memory; see kernel/peer_ep.py)
+# ---------------------------------------------------------------------------------------------------
+def mok_backward_rank(
+    bufs,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weight: torch.Tensor,
+    combine_buf: torch.Tensor,
+    w1: list[torch.Tensor],
+    w2: list[torch.Tensor],
+    *,
+    comm_sms: int,
+    ring_slots: int,
+    minibatch_tokens: int,
+    timeout_ms: float = 10000.0,
+    wgrad: str = "mm",
+    main_grad_w1=None,
+    main_grad_w2=None,
+    saved_h: torch.Tensor | None = None,
+    ctas: int = 0,
+    stream: torch.cuda.Stream | None = None,
+    check: bool = True,
+    timeline=None,
+):
+    """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.peer_ep.PeerBuffers`):
+    one launch of the same backward kernel as :func:`mok_backward_emulated`, with one partition, meeting
+    its peers on their signal pads. Every rank must make the matching call (same epoch sequence as the
+    forward calls on these buffers, same token count).
+
+    grad_out / x [T, H] bf16, topk_idx [T, K] int32/int64, topk_weight [T, K] fp32, combine_buf [T, K, H]
+    bf16 (this rank's forward output rows before the weighted sum: ``mok_forward_rank``'s combine, which
+    must be a copy when a later forward may have reused the symmetric buffer; a view of it is copied
+    here because the backward receives gradients in those bytes), w1[e] [2F, H] / w2[e] [H, F] this
+    rank's L experts. saved_h [>= world * T * K, 2F] bf16: this rank's forward-kept fc1 output in layout
+    order (``mok_forward_rank(..., saved_h=...)``), or None to recompute. Returns (grad_x [T, H] bf16,
+    grad_topk_weight [T, K] fp32, grad_w1 [L] fp32, grad_w2 [L] fp32; None with wgrad="none").
+
+    Memory: the owner-side layout-order buffers (x rows, scaled output-gradient rows, dH, act) hold
+    world * T * K rows, the worst case of every routed row landing on this rank (no host sync to learn
+    the real count).
+    """
+    WHO = "mok_backward_rank"
+
+    def fail(msg: str) -> None:
+        raise ValueError(f"{WHO}: {msg}")
+
+    R, rank, reg = bufs.world, bufs.rank, bufs.region
+    device = bufs.x.device
+    H, K = reg.hidden, reg.topk
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        fail("x must be a [T, H] tensor")
+    T = x.shape[0]
+    if T > reg.tokens_cap:
+        fail(f"{T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}")
+    _check(x, "x", torch.bfloat16, (T, H), device, who=WHO)
+    _check(grad_out, "grad_out", torch.bfloat16, (T, H), device, contiguous=False, who=WHO)
+    _check(topk_weight, "topk_weight", torch.float32, (T, K), device, contiguous=False, who=WHO)
+    _check(combine_buf, "combine_buf", torch.bfloat16, (T, K, H), device, contiguous=False, who=WHO)
+    if topk_idx.dtype not in (torch.int32, torch.int64) or tuple(topk_idx.shape) != (T, K):
+        fail(f"topk_idx must be int32/int64 [{T}, {K}], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
+    L = len(w1)
+    if L < 1 or len(w2) != L or L > MOK_MAX_LOCAL_EXPERTS:
+        fail(f"w1 / w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
+    F = w2[0].shape[1]
+    if H % 64 or F % 64:
+        fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of 64")
+    for e in range(L):
+        _check(w1[e], f"w1[{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False, who=WHO)
+        _check(w2[e], f"w2[{e}]", torch.bfloat16, (H, F), device, contiguous=False, who=WHO)
+        if w1[e].stride(1) != 1 or w1[e].stride(0) % 8 or w1[e].data_ptr() % 16:
+            fail(f"w1[{e}] needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
+    if wgrad not in ("mm", "grouped", "none"):
+        fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}")
+    if not isinstance(comm_sms, int) or comm_sms < 1:
+        fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
+        fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
+    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
+        fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}")
+    cap = max(1, R * T * K)
+    if saved_h is not None:
+        if saved_h.dim() != 2 or saved_h.shape[0] < cap or saved_h.shape[1] != 2 * F:
+            fail(f"saved_h must be [>= {cap}, {2 * F}] (every routed row of every rank may land here)")
+        _check(saved_h, "saved_h", torch.bfloat16, tuple(saved_h.shape), device, who=WHO)
+
+    stream = stream or torch.cuda.current_stream(device)
+    bf = dict(dtype=torch.bfloat16, device=device)
+    with torch.cuda.stream(stream):
+        # the backward receives gradients in the combine bytes: keep the forward's rows apart first
+        lo, hi = bufs.combine.data_ptr(), bufs.combine.data_ptr() + bufs.combine.numel() * 2
+        if lo <= combine_buf.data_ptr() < hi:
+            combine_buf = combine_buf.clone()
+        combine_buf = combine_buf.contiguous()
+        # publish this call's inputs where peers read them
+        for dst, src in ((bufs.x, x), (bufs.grad_out, grad_out), (bufs.topk_w, topk_weight)):
+            if src.data_ptr() != dst.data_ptr():
+                dst[:T].copy_(src)
+        if topk_idx.data_ptr() != bufs.idx.data_ptr() or topk_idx.dtype != torch.int32:
+            bufs.idx[:T].copy_(topk_idx)
+        grad_x = torch.empty((T, H), **bf)
+        grad_w = torch.empty((T, K), dtype=torch.float32, device=device)
+        tpe = torch.empty((L,), dtype=torch.int32, device=device)
+        xl = torch.empty((cap, H), **bf)
+        gyl = torch.empty((cap, H), **bf)
+        dh = torch.empty((cap, 2 * F), **bf)
+        act = torch.empty((cap, F), **bf)
+        w2t = [w.t().contiguous() for w in w2]
+        w1t = [w.t().contiguous() for w in w1]
+
+    lib = load_library()
+    keep = []
+
+    def arr(vals, kind=_u64):
+        a = kind(vals)
+        keep.append(a)
+        return ctypes.cast(a, ctypes.c_void_p)
+
+    def own_only(ptr: int):
+        return arr([ptr if r == rank else 0 for r in range(R)])
+
+    args = _Args()
+    args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
+    args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
+    args.ctas_per_rank = ctas
+    args.stall_rank, args.stall_slot = -1, -1
+    args.device = device.index if device.index is not None else torch.cuda.current_device()
+    args.timeout_ms = float(timeout_ms)
+    args.cap = cap
+    args.T = arr([T] * R, _i64)  # equal on every rank (checked in the kernel)
+    args.x = arr([bufs.peer(r, reg.x_off) for r in range(R)])
+    args.idx = arr([bufs.peer(r, reg.idx_off) for r in range(R)])
+    args.w = arr([bufs.peer(r, reg.topk_w_off) for r in range(R)])
+    args.grad_out = arr([bufs.peer(r, reg.grad_out_off) for r in range(R)])
+    args.grad_buf = arr([bufs.peer(r, reg.combine_off) for r in range(R)])
+    args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
+    args.combine = own_only(combine_buf.data_ptr())
+    args.grad_x, args.grad_w, args.tpe = (
+        own_only(grad_x.data_ptr()),
+        own_only(grad_w.data_ptr()),
+        own_only(tpe.data_ptr()),
+    )
+    args.xl, args.gyl = own_only(xl.data_ptr()), own_only(gyl.data_ptr())
+    args.dh, args.act = own_only(dh.data_ptr()), own_only(act.data_ptr())
+    args.w1 = arr([t.data_ptr() for t in w1])
+    args.w1_ld = arr([t.stride(0) for t in w1], _i64)
+    args.w2t = arr([t.data_ptr() for t in w2t])
+    args.w1t = arr([t.data_ptr() for t in w1t])
+    if saved_h is not None:
+        args.saved_h = own_only(saved_h.data_ptr())
+    args.rank = rank
+    args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
+    if timeline is not None:
+        grid = ctas or torch.cuda.get_device_properties(args.device).multi_processor_count
+        args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(grid, device)
+    nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
+    if nbytes < 0:
+        fail("invalid sizes (rejected by the library)")
+    if bufs.bwd_workspace is None or bufs.bwd_workspace.numel() < nbytes:
+        bufs.bwd_workspace = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
+    args.workspace = bufs.bwd_workspace.data_ptr()
+    args.workspace_bytes = bufs.bwd_workspace.numel()
+    args.err = bufs.bwd_err.data_ptr()
+
+    ebuf = ctypes.create_string_buffer(1024)
+    rc = lib.mok_bwd_rank_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
+    if rc != 0:
+        raise MokKernelError(f"MoK backward rank {rank} launch failed: {ebuf.value.decode(errors='replace')}")
+    bufs.epoch = args.epoch
+    for t in [*w2t, *w1t]:
+        t.record_stream(stream)
+    if check:
+        check_rank_backward_error(bufs, stream, L=L, timeout_ms=timeout_ms)
+
+    gw1 = gw2 = None
+    if wgrad != "none":
+        with torch.cuda.stream(stream):
+            gw1, gw2 = weight_grads(
+                tpe, xl, gyl, dh, act, mode=wgrad, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2
+            )
+    return grad_x, grad_w, gw1, gw2
+
+
+def check_rank_backward_error(bufs, stream=None, *, L: int, timeout_ms: float) -> None:
+    """Wait for the rank's last backward launch; raise MokKernelError if it recorded an error."""
+    if stream is not None:
+        stream.synchronize()
+    raise_recorded_error(
+        {bufs.bwd_err.device.index: bufs.bwd_err},
+        bufs.bwd_err.device,
+        lambda v: _error_message(v, bufs.world, L, timeout_ms),
+    )

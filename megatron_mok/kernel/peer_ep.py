@@ -5,7 +5,10 @@ What peers touch lives in one symmetric allocation per rank (:class:`PeerRegion`
 
   x        [cap, H]     bf16   home rank's token rows; owners *pull* the rows they need
   topk_idx [cap, K]     int32  home rank's routing; every owner reads it to build its schedule
-  combine  [cap, K, H]  bf16   owners *push* expert outputs into the home rank's rows
+  combine  [cap, K, H]  bf16   forward: owners *push* expert outputs into the home rank's rows;
+                               backward: the same bytes receive the pushed input-row gradients (grad_buf)
+  topk_w   [cap, K]     fp32   backward: owners scale the pulled output gradients by it
+  grad_out [cap, H]     bf16   backward: home rank's output gradient; owners *pull* the rows they need
   signal   [3, 72]      uint32 start / compute-done / token-count slots, written with the call's epoch
 
 Peer pointers come from torch symmetric memory (``symm_mem.empty`` + ``rendezvous``:
@@ -13,7 +16,8 @@ Peer pointers come from torch symmetric memory (``symm_mem.empty`` + ``rendezvou
 one GPU, so tests exercise the per-rank launches (separate launches on separate streams that meet
 only through signal pads) without a multi-GPU machine.
 
-Contract: every rank calls :func:`mok_forward_rank` once per layer call, in the same order, with
+Contract: every rank calls :func:`mok_forward_rank` (and, in backward,
+:func:`megatron_mok.kernel.backward.mok_backward_rank`) once per layer call, in the same order, with
 the same token count (checked in the kernel: a mismatch or a rank that never arrives is a clear
 :class:`MokKernelError` naming the rank). No host synchronisation; the epoch counter lives on the host.
 Weights stay local: rank q passes only its L experts.
@@ -47,6 +51,8 @@ class PeerRegion:
     x_off: int
     idx_off: int
     combine_off: int
+    topk_w_off: int
+    grad_out_off: int
     signal_off: int
     nbytes: int
 
@@ -61,9 +67,15 @@ class PeerRegion:
         off = _align(off + tokens_cap * topk * 4)
         combine_off = off
         off = _align(off + tokens_cap * topk * hidden * 2)
+        topk_w_off = off
+        off = _align(off + tokens_cap * topk * 4)
+        grad_out_off = off
+        off = _align(off + tokens_cap * hidden * 2)
         signal_off = off
         off = _align(off + SIGNAL_KINDS * MOK_MAX_RANKS * 4)
-        return PeerRegion(tokens_cap, hidden, topk, x_off, idx_off, combine_off, signal_off, off)
+        return PeerRegion(
+            tokens_cap, hidden, topk, x_off, idx_off, combine_off, topk_w_off, grad_out_off, signal_off, off
+        )
 
 
 class PeerBuffers:
@@ -86,10 +98,15 @@ class PeerBuffers:
         self.x = view(region.x_off, cap * H * 2, torch.bfloat16, (cap, H))
         self.idx = view(region.idx_off, cap * K * 4, torch.int32, (cap, K))
         self.combine = view(region.combine_off, cap * K * H * 2, torch.bfloat16, (cap, K, H))
+        self.grad_buf = self.combine  # backward: receives the pushed input-row gradients
+        self.topk_w = view(region.topk_w_off, cap * K * 4, torch.float32, (cap, K))
+        self.grad_out = view(region.grad_out_off, cap * H * 2, torch.bfloat16, (cap, H))
         self.signal = view(region.signal_off, SIGNAL_KINDS * MOK_MAX_RANKS * 4, torch.int32, (SIGNAL_KINDS, -1))
         self.epoch = 0  # calls made; the kernel's signals carry epoch + 1
         self.workspace: torch.Tensor | None = None
         self.err = torch.zeros((16,), dtype=torch.int32, device=local.device)
+        self.bwd_workspace: torch.Tensor | None = None  # the backward launch's own (see mok_backward_rank)
+        self.bwd_err = torch.zeros((16,), dtype=torch.int32, device=local.device)
 
     def peer(self, r: int, off: int) -> int:
         return self.ptrs[r] + off

@@ -1,4 +1,4 @@
-"""GPU tests of per-rank launches (the real-EP code path) of the MoK forward kernel.
+"""GPU tests of per-rank launches (the real-EP code path) of the MoK forward and backward kernels.
 
 On one GPU: R ranks, each with its own PeerBuffers region, its own launch on its own stream and its
 own SM share; ranks meet only through signal pads and read/write peers only through peer pointers,
@@ -140,6 +140,127 @@ def test_bad_inputs_are_clear_errors(kernel):
         )
 
 
+def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, saved_h=None, **kw):
+    from megatron_mok.kernel.backward import mok_backward_rank
+
+    R = len(bufs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res = {}
+    for r in ranks if ranks is not None else range(R):
+        streams[r].wait_stream(torch.cuda.current_stream())
+        res[r] = mok_backward_rank(
+            bufs[r],
+            go[r],
+            x[r],
+            idx[r],
+            wts[r],
+            comb[r],
+            w1[r],
+            w2[r],
+            saved_h=None if saved_h is None else saved_h[r],
+            ctas=sms // R,
+            stream=streams[r],
+            check=False,
+            **kw,
+        )
+    return res
+
+
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1"])
+@pytest.mark.parametrize("saved", [False, True], ids=["recompute", "saved_h"])
+def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
+    """Per-rank backward launches (separate streams, peers met on signal pads, forward and backward
+    calls alternating on the same buffers and epochs) give the emulated backward's bits."""
+    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
+    from megatron_mok.kernel.peer_ep import PeerBuffers
+
+    L, H, F, K, T = 4, 512, 256, 4, 600
+    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
+    bufs = PeerBuffers.on_one_gpu(R, T + 40, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    dev = torch.device("cuda")
+    for call in range(2):
+        x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, mode, seed=300 * R + call)
+        gen = torch.Generator(device=dev).manual_seed(7 + call)
+        go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
+        hbuf = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
+        # forward per rank (epochs advance on the same pads), then keep the combine rows apart
+        fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, **{k: v for k, v in cfg.items()})
+        torch.cuda.synchronize()
+        comb = [fwd[r][1].clone() for r in range(R)]
+        if saved:  # the emulated forward keeps h in layout order (the same layout as each owner's)
+            kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=hbuf, **cfg)
+        res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=hbuf, **cfg)
+        for r in range(R):
+            check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        torch.cuda.synchronize()
+        ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=hbuf, **cfg)
+        for r in range(R):
+            gx, gw, g1, g2 = res[r]
+            assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
+            assert torch.equal(gw, ref[1][r]), f"rank {r} grad_topk_weight differs"
+            for e in range(L):
+                assert torch.equal(g1[e], ref[2][r][e]) and torch.equal(g2[e], ref[3][r][e]), (r, e)
+            assert torch.isfinite(gx.float()).all()
+
+
+def test_backward_missing_rank_times_out_naming_it(kernel):
+    from megatron_mok.kernel import MokKernelError
+    from megatron_mok.kernel.backward import check_rank_backward_error
+    from megatron_mok.kernel.peer_ep import PeerBuffers
+
+    R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
+    bufs = PeerBuffers.on_one_gpu(R, T, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "uniform", seed=17)
+    comb = [torch.zeros((T, K, H), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
+    cfg = dict(comm_sms=1, ring_slots=2, minibatch_tokens=128, timeout_ms=300.0)
+    _backward_all(bufs, x, x, idx, wts, comb, w1, w2, streams, ranks=[0], wgrad="none", **cfg)
+    with pytest.raises(MokKernelError, match=r"rank 0 waiting for peer start signal.*rank 1 did not signal call 1"):
+        check_rank_backward_error(bufs[0], streams[0], L=L, timeout_ms=300.0)
+
+
+def test_backward_rank_bad_inputs_are_clear_errors(kernel):
+    from megatron_mok.kernel.backward import mok_backward_rank
+    from megatron_mok.kernel.peer_ep import PeerBuffers
+
+    bufs = PeerBuffers.on_one_gpu(2, 64, 256, 2)
+    dev = torch.device("cuda")
+    w1 = [torch.zeros((256, 256), dtype=torch.bfloat16, device=dev)]
+    w2 = [torch.zeros((256, 128), dtype=torch.bfloat16, device=dev)]
+    T = 32
+    x = torch.zeros((T, 256), dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros((T, 2), dtype=torch.int32, device=dev)
+    w = torch.ones((T, 2), dtype=torch.float32, device=dev)
+    comb = torch.zeros((T, 2, 256), dtype=torch.bfloat16, device=dev)
+    kw = dict(comm_sms=1, ring_slots=2, minibatch_tokens=64)
+    with pytest.raises(ValueError, match="mok_backward_rank: grad_out must have shape"):
+        mok_backward_rank(bufs[0], x[:8], x, idx, w, comb, w1, w2, **kw)
+    with pytest.raises(ValueError, match="saved_h must be"):
+        mok_backward_rank(
+            bufs[0],
+            x,
+            x,
+            idx,
+            w,
+            comb,
+            w1,
+            w2,
+            saved_h=torch.zeros((10, 256), **dict(dtype=torch.bfloat16, device=dev)),
+            **kw,
+        )
+    x2 = torch.zeros((65, 256), dtype=torch.bfloat16, device=dev)
+    with pytest.raises(ValueError, match="exceed the peer buffers' capacity"):
+        mok_backward_rank(bufs[0], x2, x2, idx, w, comb, w1, w2, **kw)
+
+
+def mok_forward_emulated_all(x, idx, wts, w1, w2):
+    import megatron_mok.kernel as k
+
+    return k.mok_forward_emulated(x, idx, wts, w1, w2, comm_sms=4, ring_slots=2, minibatch_tokens=256)
+
+
 def _symm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -159,6 +280,19 @@ def _symm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         ref_out, ref_comb, ref_tpe = ground_truth(x, idx, wts, w1, w2)
         err = max(rel_err(out, ref_out[rank]), rel_err(comb, ref_comb[rank]))
         ok = bool(torch.equal(tpe, ref_tpe[rank])) and err < TOL
+        # backward per rank vs the emulated backward kernel on this GPU (identical bits expected)
+        from megatron_mok.kernel.backward import mok_backward_emulated, mok_backward_rank
+
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        go = [torch.randn((T, H), generator=gen, device="cuda").bfloat16() for _ in range(world)]
+        _, emu_comb, _ = mok_forward_emulated_all(x, idx, wts, w1, w2)
+        kw = dict(comm_sms=4, ring_slots=2, minibatch_tokens=256)
+        gx, gw, g1, g2 = mok_backward_rank(
+            bufs, go[rank], x[rank], idx[rank], wts[rank], emu_comb[rank].clone(), w1[rank], w2[rank], **kw
+        )
+        ref = mok_backward_emulated(go, x, idx, wts, [c.clone() for c in emu_comb], w1, w2, **kw)
+        ok = ok and torch.equal(gx, ref[0][rank]) and torch.equal(gw, ref[1][rank])
+        ok = ok and all(torch.equal(a, b) for a, b in zip(g1, ref[2][rank]))
         with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
             f.write(f"{int(ok)} {err}")
     finally:
