@@ -61,6 +61,22 @@ def _symmetric_memory_available() -> bool:
     return True
 
 
+_KERNEL_BACKENDS: dict = {}
+
+
+def kernel_backend(comm_sms: int, timeout_ms: float):
+    """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
+    symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
+    layer's forward and backward advance in the same order on all ranks."""
+    from .kernel_backend import KernelBackend
+
+    key = (int(comm_sms), float(timeout_ms))
+    b = _KERNEL_BACKENDS.get(key)
+    if b is None:
+        b = _KERNEL_BACKENDS[key] = KernelBackend(comm_sms=comm_sms, timeout_ms=timeout_ms)
+    return b
+
+
 def select_backend(
     device: torch.device,
     world_size: int,
@@ -79,9 +95,7 @@ def select_backend(
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
-        from .kernel_backend import KernelBackend
-
-        return KernelBackend(comm_sms=comm_sms, timeout_ms=timeout_ms)
+        return kernel_backend(comm_sms, timeout_ms)
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)

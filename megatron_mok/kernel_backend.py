@@ -6,9 +6,10 @@ router-weight gradient, fc1 recompute + SwiGLU backward + dgrad, push reverse-di
 then the expert weight gradients as per-expert fp32 GEMMs on the layout-order buffers it leaves.
 ``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
 
-EP > 1 (one process per GPU, NCCL group): the forward is the same kernel launched per rank over torch
-symmetric memory (``kernel.peer_ep``); the backward runs the reference algorithm over the process
-group (the backward kernel has no per-rank launch yet). Every EP rank must pass the same token count.
+EP > 1 (one process per GPU, NCCL group): both kernels are launched per rank over torch symmetric
+memory (``kernel.peer_ep.mok_forward_rank``, ``kernel.backward.mok_backward_rank``); the ranks meet on
+signal pads inside the kernels. ``MOK_BACKWARD=reference`` runs the reference backward over the process
+group instead. Every EP rank must pass the same token count.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ class KernelBackend:
         T, H = x.shape
         K = topk_idx.shape[1]
         bufs = self._peer_buffers(tp, T, H, K, x.device)
+        F = w2[0].shape[1]
+        # save-vs-recompute as at EP = 1; an owner may receive every routed row of every rank
+        saved_h = (
+            torch.empty((max(1, tp.world_size * T * K), 2 * F), dtype=torch.bfloat16, device=x.device)
+            if plan.save_fc1_output
+            else None
+        )
         out, combine, _tpe = mok_forward_rank(
             bufs,
             x.detach().contiguous(),
@@ -67,13 +75,15 @@ class KernelBackend:
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
             check=self.check,
+            saved_h=saved_h,
         )
         state = {
             "x": x.detach(),
             "topk_idx": topk_idx,
-            "all_w": None,  # gathered in backward
+            "all_w": None,  # gathered by the reference fallback
             "combine_buf": combine.clone(),  # the symmetric buffer is reused by the next layer call
-            "saved_h": None,
+            "saved_h": None,  # the reference fallback recomputes
+            "kernel_saved_h": saved_h,
             "shape": (T, K, H),
             "dtype": x.dtype,
             "peer": True,
@@ -81,6 +91,33 @@ class KernelBackend:
         return out, state
 
     def _backward_peer(self, plan: MokPlan, state, grad_out, w1, w2):
+        """EP > 1: the backward kernel launched per rank over the same symmetric buffers."""
+        from .kernel.backward import is_available, mok_backward_rank
+
+        if os.environ.get("MOK_BACKWARD", "kernel") == "reference" or not is_available():
+            return self._backward_peer_reference(plan, state, grad_out, w1, w2)
+        T, K, H = state["shape"]
+        gx, gw, gw1, gw2 = mok_backward_rank(
+            self._peers,
+            grad_out.contiguous().to(state["dtype"]),
+            state["x"].contiguous(),
+            state["topk_idx"],
+            state["topk_w_f32"],
+            state["combine_buf"],
+            [w.detach() for w in w1],
+            [w.detach() for w in w2],
+            comm_sms=self.comm_sms,
+            ring_slots=plan.ring.ring_slots,
+            minibatch_tokens=plan.ring.minibatch_tokens,
+            timeout_ms=self.timeout_ms,
+            wgrad="mm",
+            saved_h=state.get("kernel_saved_h"),
+            check=True,
+        )
+        self.last_backward = "kernel (EP > 1, per-rank launch)"
+        return gx, gw, gw1, gw2
+
+    def _backward_peer_reference(self, plan: MokPlan, state, grad_out, w1, w2):
         """Reference backward over the process group, after rebuilding what the kernel forward kept on
         the device (routing of every rank, layout, the pulled x rows)."""
         tp = plan.transport

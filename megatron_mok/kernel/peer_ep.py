@@ -160,6 +160,7 @@ def mok_forward_rank(
     stream: torch.cuda.Stream | None = None,
     check: bool | str = True,
     timeline=None,
+    saved_h: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE forward of rank ``bufs.rank`` (one kernel launch; every rank must make the matching call).
 
@@ -167,6 +168,8 @@ def mok_forward_rank(
     w1[e] [2F, H] / w2[e] [H, F] bf16 for this rank's L experts. ``ctas``: SMs for this launch (0 = all;
     several ranks sharing one GPU in tests split it). Returns (out [T, H] bf16, combine [T, K, H] bf16
     -- a view of the symmetric buffer, overwritten by the next call --, tokens_per_expert [L] int32).
+    saved_h [>= world * T * K, 2F] bf16 (optional): this rank's fc1 output h = [gate | up] lands there in
+    layout order, for ``mok_backward_rank(..., saved_h=...)`` (no fc1 recompute in the backward).
     """
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -237,6 +240,13 @@ def mok_forward_rank(
     args.w2 = arr([t.data_ptr() for t in w2])
     args.w2_ld = arr([t.stride(0) for t in w2], ctypes.c_longlong)
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
+    if saved_h is not None:
+        rows = R * T * K
+        _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)
+        if saved_h.shape[0] < rows or saved_h.shape[1] != 2 * F or not saved_h.is_contiguous():
+            _fail(f"saved_h must be contiguous [>= {rows}, {2 * F}], got {tuple(saved_h.shape)}")
+        args.saved_h = arr(own_only(saved_h.data_ptr()))
+        args.saved_h_rows = int(saved_h.shape[0])
     args.rank = rank
     args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
     if timeline is not None:  # megatron_mok.kernel.timeline.Timeline

@@ -1,5 +1,6 @@
 """GPU, >= 2 GPUs (skipped otherwise): the Megatron MoE layer with ``mok`` over real EP (one process per
-GPU, torch symmetric memory, the forward kernel launched per rank) equals Megatron's alltoall layer."""
+GPU, torch symmetric memory, the forward and backward kernels launched per rank) equals Megatron's
+alltoall layer: outputs, input gradients and every parameter gradient."""
 
 from __future__ import annotations
 
@@ -48,10 +49,17 @@ def _layer_worker(rank: int, world: int, out_dir: str) -> None:
         for _ in range(2):  # two calls: the symmetric buffers and epochs are reused
             out, _ = layer(xi)
         out.float().sum().backward()
-        res[name] = (out.float(), xi.grad.float())
+        grads = {n: p.grad.float().clone() for n, p in layer.named_parameters() if p.grad is not None}
+        res[name] = (out.float(), xi.grad.float(), grads)
     errs = [float((res["mok"][i] - res["alltoall"][i]).norm() / res["alltoall"][i].norm()) for i in range(2)]
+    gb, gm = res["alltoall"][2], res["mok"][2]
+    assert set(gb) == set(gm), (sorted(gb), sorted(gm))
+    gerr = max(float((gm[n] - gb[n]).norm() / gb[n].norm().clamp_min(1e-6)) for n in gb)
+    from megatron_mok.backend import _KERNEL_BACKENDS
+
+    bwd = [str(b.last_backward).replace(" ", "_") for b in _KERNEL_BACKENDS.values()]
     with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-        f.write(f"{mok.token_dispatcher.last_backend} {errs[0]} {errs[1]}")
+        f.write(f"{mok.token_dispatcher.last_backend} {errs[0]} {errs[1]} {gerr} {'|'.join(map(str, bwd))}")
 
 
 def test_layer_real_ep_equals_alltoall(tmp_path):
@@ -63,6 +71,7 @@ def test_layer_real_ep_equals_alltoall(tmp_path):
     world = min(torch.cuda.device_count(), 4)
     spawn(_layer_worker, world, str(tmp_path), backend="nccl")
     for r in range(world):
-        backend, e_out, e_grad = (tmp_path / f"rank{r}").read_text().split()
+        backend, e_out, e_grad, e_wgrad, bwd = (tmp_path / f"rank{r}").read_text().split(maxsplit=4)
         assert backend == "kernel", backend
-        assert float(e_out) < 1e-2 and float(e_grad) < 2e-2, (r, e_out, e_grad)
+        assert "per-rank_launch" in bwd, f"rank {r}: backward ran {bwd!r}, not the per-rank kernel"
+        assert float(e_out) < 1e-2 and float(e_grad) < 2e-2 and float(e_wgrad) < 3e-2, (r, e_out, e_grad, e_wgrad)

@@ -46,7 +46,7 @@ def _inputs(R, L, H, F, K, T, mode, seed):
     return x, list(idx), list(wts), w1, w2
 
 
-def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, **kw):
+def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, **kw):
     from megatron_mok.kernel.peer_ep import mok_forward_rank
 
     R = len(bufs)
@@ -55,7 +55,17 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, **kw):
     for r in ranks if ranks is not None else range(R):
         streams[r].wait_stream(torch.cuda.current_stream())
         res[r] = mok_forward_rank(
-            bufs[r], x[r], idx[r], wts[r], w1[r], w2[r], ctas=sms // R, stream=streams[r], check=False, **kw
+            bufs[r],
+            x[r],
+            idx[r],
+            wts[r],
+            w1[r],
+            w2[r],
+            ctas=sms // R,
+            stream=streams[r],
+            check=False,
+            saved_h=None if saved_h is None else saved_h[r],
+            **kw,
         )
     return res
 
@@ -184,18 +194,22 @@ def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
         x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, mode, seed=300 * R + call)
         gen = torch.Generator(device=dev).manual_seed(7 + call)
         go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
-        hbuf = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
-        # forward per rank (epochs advance on the same pads), then keep the combine rows apart
-        fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, **{k: v for k, v in cfg.items()})
+
+        def hbufs():
+            return [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+
+        h_rank, h_emu = (hbufs(), hbufs()) if saved else (None, None)
+        # forward per rank (epochs advance on the same pads; h kept per owner), then keep the combine rows
+        fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=h_rank, **cfg)
         torch.cuda.synchronize()
         comb = [fwd[r][1].clone() for r in range(R)]
-        if saved:  # the emulated forward keeps h in layout order (the same layout as each owner's)
-            kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=hbuf, **cfg)
-        res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=hbuf, **cfg)
+        if saved:  # the emulated forward's h, for the emulated backward below
+            kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
+        res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=h_rank, **cfg)
         for r in range(R):
             check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
         torch.cuda.synchronize()
-        ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=hbuf, **cfg)
+        ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, **cfg)
         for r in range(R):
             gx, gw, g1, g2 = res[r]
             assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
