@@ -111,3 +111,13 @@ def test_extra_args_provider_widens_choices():
     add_mok_args(add_mok_args(p))  # idempotent
     ns = p.parse_args(["--moe-token-dispatcher-type", "mok", "--mok-config", "kimi-k2"])
     assert (ns.moe_token_dispatcher_type, ns.mok_config) == ("mok", "kimi-k2")
+
+
+def test_kernel_backend_is_shared_per_setting():
+    # EP > 1 keeps its symmetric-memory buffers in the backend: one instance per setting per process,
+    # not one per layer call (that would re-allocate and re-rendezvous every forward)
+    from megatron_mok.backend import kernel_backend
+
+    a = kernel_backend(16, 5000.0)
+    assert kernel_backend(16, 5000.0) is a
+    assert kernel_backend(8, 5000.0) is not a and kernel_backend(16, 100.0) is not a
