@@ -47,6 +47,9 @@ _PHASES = {
     5: "compute-done (grad_x sum waits for all ranks' reverse-dispatch pushes)",
     6: "internal smem pipeline",
     7: "schedule",
+    8: "peer start signal (a peer rank has not launched this call)",
+    9: "peer compute-done signal (a peer rank has not pushed all its input-row gradients)",
+    10: "peer token count",
 }
 
 
@@ -417,6 +420,7 @@ def mok_backward_emulated(
     args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
     args.ctas_per_rank = cpr
     args.stall_rank, args.stall_slot = debug_stall if debug_stall is not None else (-1, -1)
+    args.rank = -1  # emulated EP: every rank in this launch
     args.device = dev
     args.timeout_ms = float(timeout_ms)
     args.cap = cap
@@ -507,6 +511,7 @@ def mok_backward_rank(
     stream: torch.cuda.Stream | None = None,
     check: bool = True,
     timeline=None,
+    return_buffers: bool = False,
 ):
     """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.peer_ep.PeerBuffers`):
     one launch of the same backward kernel as :func:`mok_backward_emulated`, with one partition, meeting
@@ -520,6 +525,10 @@ def mok_backward_rank(
     rank's L experts. saved_h [>= world * T * K, 2F] bf16: this rank's forward-kept fc1 output in layout
     order (``mok_forward_rank(..., saved_h=...)``), or None to recompute. Returns (grad_x [T, H] bf16,
     grad_topk_weight [T, K] fp32, grad_w1 [L] fp32, grad_w2 [L] fp32; None with wgrad="none").
+
+    ``wgrad="mm"`` reads the per-expert row counts on the host (one sync after the launch); several ranks
+    driven from one process (tests) must use "none" / "grouped" or compute :func:`weight_grads` from
+    ``return_buffers=True`` after every rank has launched.
 
     Memory: the owner-side layout-order buffers (x rows, scaled output-gradient rows, dH, act) hold
     world * T * K rows, the worst case of every routed row landing on this rank (no host sync to learn
@@ -663,6 +672,8 @@ def mok_backward_rank(
             gw1, gw2 = weight_grads(
                 tpe, xl, gyl, dh, act, mode=wgrad, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2
             )
+    if return_buffers:
+        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act)
     return grad_x, grad_w, gw1, gw2
 
 

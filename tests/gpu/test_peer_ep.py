@@ -150,8 +150,10 @@ def test_bad_inputs_are_clear_errors(kernel):
         )
 
 
-def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, saved_h=None, **kw):
-    from megatron_mok.kernel.backward import mok_backward_rank
+def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, saved_h=None, wgrad="mm", **kw):
+    """Launch every rank's backward first (each waits for its peers inside the kernel), then the weight
+    gradients: their "mm" mode reads row counts on the host, which would block the next rank's launch."""
+    from megatron_mok.kernel.backward import mok_backward_rank, weight_grads
 
     R = len(bufs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -171,9 +173,18 @@ def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, save
             ctas=sms // R,
             stream=streams[r],
             check=False,
+            wgrad="none",
+            return_buffers=True,
             **kw,
         )
-    return res
+    out = {}
+    for r, (gx, gw, _, _, b) in res.items():
+        g1 = g2 = None
+        if wgrad != "none":
+            with torch.cuda.stream(streams[r]):
+                g1, g2 = weight_grads(b["tpe"], b["xl"], b["gyl"], b["dh"], b["act"], mode=wgrad)
+        out[r] = (gx, gw, g1, g2)
+    return out
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
