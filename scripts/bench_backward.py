@@ -291,6 +291,13 @@ def main():
                     if best is None or ms < best[0]:
                         best = (ms, comm, "mm, saved h")
                 print(f"MoK saved-h comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
+            # what the wrapper spends besides the kernel: the transposed weight copies it makes per call
+            tms, _ = timeit(
+                lambda: ([w.t().contiguous() for w in w1l[0]], [w.t().contiguous() for w in w2l[0]]),
+                args.iters,
+                args.warmup,
+            )
+            print(f"  (of which W1^T / W2^T copies: {tms:.3f} ms)", flush=True)
         except Exception as exc:
             print(f"MoK saved-h: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)
