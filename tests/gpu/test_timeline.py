@@ -96,8 +96,8 @@ def test_backward_timeline_records_every_stage_per_sm(saved):
     assert n1 > 0 and n1 == sum(1 for e in ev if e.kind == "dgrad1_epilogue")
     n2 = sum(1 for e in ev if e.kind == "dgrad2")
     assert n2 > 0 and n2 == sum(1 for e in ev if e.kind == "push")
-    # per row tile: ceil(F / 128) stage-1 tiles and ceil(H / 256) stage-2 tiles
-    assert n1 * ((H + 255) // 256) == n2 * ((F + 127) // 128)
+    # per row tile: ceil(F / 128) stage-1 tiles (ceil(F / 256) with saved h) and ceil(H / 256) stage-2 tiles
+    assert n1 * ((H + 255) // 256) == n2 * ((F + (255 if saved else 127)) // (256 if saved else 128))
     # grad_x starts only after every stage-2 tile's main loop ended (it needs every rank's pushes; the push
     # interval's own end is read after its counter release, so it may trail a grad_x start)
     assert min(e.start_us for e in ev if e.kind == "grad_x") >= max(e.end_us for e in ev if e.kind == "dgrad2")
