@@ -2,7 +2,7 @@
 """Benchmark the MoK backward megakernel against unfused torch and Megatron-Core baselines (Kimi-K2 slice).
 
 One process, same inputs for every method; CUDA events around one call, warmup, median of --iters.
-  MoK dgrad     : mok_backward_emulated(..., wgrad="none")   one kernel launch (+ W1^T / W2^T transposes)
+  MoK dgrad     : mok_backward_emulated(..., wgrad="none")   one kernel launch (+ a W2^T copy when recomputing)
   MoK + grouped : wgrad="grouped" (two torch._grouped_mm after the kernel, no host sync, bf16 wgrad out)
   MoK + mm      : wgrad="mm" (2 x L cuBLAS mm with fp32 output after the kernel, one host sync)
   torch         : the reference backward math: permute + _grouped_mm (fc1 recompute, dA, dX, dW2, dW1)
@@ -291,13 +291,14 @@ def main():
                     if best is None or ms < best[0]:
                         best = (ms, comm, "mm, saved h")
                 print(f"MoK saved-h comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
-            # what the wrapper spends besides the kernel: the transposed weight copies it makes per call
+            # what W1^T / W2^T copies would cost per call (the wrapper made them before the kernel read W1 / W2
+            # MN-major; the recompute path still makes W2^T)
             tms, _ = timeit(
                 lambda: ([w.t().contiguous() for w in w1l[0]], [w.t().contiguous() for w in w2l[0]]),
                 args.iters,
                 args.warmup,
             )
-            print(f"  (of which W1^T / W2^T copies: {tms:.3f} ms)", flush=True)
+            print(f"  (W1^T + W2^T copies, not made on this path: {tms:.3f} ms)", flush=True)
         except Exception as exc:
             print(f"MoK saved-h: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)

@@ -1,5 +1,5 @@
 // Hopper GEMM building blocks for the compute role: TMA 2-D tile loads into SWIZZLE_128B smem,
-// WGMMA m64n256k16 (bf16 x bf16 -> fp32, both operands K-major in smem), mbarrier helpers.
+// WGMMA m64n256k16 (bf16 x bf16 -> fp32; A K-major, B K-major or MN-major in smem), mbarrier helpers.
 // Uses CuTe/CUTLASS arch-level atoms only.
 #pragma once
 #include "common.cuh"
@@ -30,8 +30,26 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
   return desc;
 }
 
+// Descriptor for an MN-major operand (rows of 64 MN-contiguous elements, one row per K index) stored as
+// [64 MN x 64 K] TMA boxes with the 128-byte swizzle, box after box along MN (8 KB apart): CuTe's
+// canonical MN-major SW128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte units, i.e. leading byte
+// offset = 8192 B (next 64-element MN block), stride byte offset = 1024 B (next 8 K rows). One k16 step
+// advances the start address by 16 rows = 2048 B. Lets the backward read W1 / W2 as stored (no W^T copy).
+__device__ __forceinline__ uint64_t make_smem_desc_sw128_mn(const void* smem_ptr) {
+  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem_ptr);
+  uint64_t desc = 0;
+  desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
+  desc |= (uint64_t)(8192 >> 4) << 16;
+  desc |= (uint64_t)(1024 >> 4) << 32;
+  desc |= (uint64_t)1 << 62;
+  return desc;
+}
+constexpr uint64_t kMnDescK16Step = 2048 >> 4;  // descriptor start-address step per k16 (MN-major)
+
 using Wgmma256 = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                 cute::SM90::GMMA::Major::K>;
+using Wgmma256BMn = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                   cute::SM90::GMMA::Major::MN>;
 
 template <size_t... I>
 __device__ __forceinline__ void wgmma256_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
@@ -41,6 +59,16 @@ __device__ __forceinline__ void wgmma256_impl(uint64_t da, uint64_t db, float* d
 // d[128] += A(64x16, smem) * B(256x16, smem)^T   (or d = A*B^T when !accumulate)
 __device__ __forceinline__ void wgmma_64x256x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
   wgmma256_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
+}
+
+template <size_t... I>
+__device__ __forceinline__ void wgmma256_bmn_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                                  std::index_sequence<I...>) {
+  Wgmma256BMn::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+// as wgmma_64x256x16 with B MN-major (descriptor from make_smem_desc_sw128_mn)
+__device__ __forceinline__ void wgmma_64x256x16_bmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma256_bmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
 }
 
 __device__ __forceinline__ void fence_acc(float* d) {

@@ -120,8 +120,9 @@ struct MokBwdArgs {
   const unsigned long long* act;
   const unsigned long long* w1;       // host [R*L] [2F, H] row stride w1_ld
   const long long* w1_ld;
-  const unsigned long long* w2t;      // host [R*L] [F, H] contiguous (W2^T)
-  const unsigned long long* w1t;      // host [R*L] [H, 2F] contiguous (W1^T)
+  const unsigned long long* w2;       // host [R*L] [H, F] row stride w2_ld (read MN-major, as stored)
+  const long long* w2_ld;
+  const unsigned long long* w2t;      // host [R*L] [F, H] contiguous W2^T: recompute path only (else 0)
   unsigned long long workspace;
   unsigned long long workspace_bytes;
   unsigned long long err;             // device int32[8]
@@ -135,7 +136,7 @@ struct MokBwdArgs {
   // Per-rank launch (mok_bwd_rank_launch) only; the emulated launch ignores these. Then x / idx / w /
   // grad_out / grad_buf / signal are every rank's symmetric-memory pointers, the owner-side arrays
   // (xl, gyl, dh, act, saved_h, grad_x, grad_w, combine, tpe) only need this rank's entry, and
-  // w1 / w1_ld / w2t / w1t hold this rank's L experts.
+  // w1 / w1_ld / w2 / w2_ld / w2t hold this rank's L experts.
   int rank;                           // -1 = emulated (all R ranks in this launch)
   unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
   const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[3*72])
@@ -273,17 +274,23 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   memset(host, 0, hbytes);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F;
-  for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1 / w2t / w1t hold exactly these)
+  for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1 / w2 / w2t hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
-    const __nv_bfloat16* w2t = reinterpret_cast<const __nv_bfloat16*>(a->w2t[g]);
-    const __nv_bfloat16* w1t = reinterpret_cast<const __nv_bfloat16*>(a->w1t[g]);
+    const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
     if (!encode_2d(&maps[4 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, 128, errbuf, errlen, "w1 gate")) return 1;
     if (!encode_2d(&maps[4 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, 128, errbuf, errlen,
                    "w1 up"))
       return 1;
-    // saved h: 256-column stage-1 tiles (256-row W2^T boxes); recompute: 128-column tiles
-    if (!encode_2d(&maps[4 * g + 2], w2t, H, F, H, mok::kBK, a->saved_h ? 256 : 128, errbuf, errlen, "w2^T")) return 1;
-    if (!encode_2d(&maps[4 * g + 3], w1t, 2 * F, H, 2 * F, mok::kBK, mok::kBN, errbuf, errlen, "w1^T")) return 1;
+    if (a->saved_h) {  // saved h: W2 [H, F] read MN-major in [64 f x 64 h] boxes (256-column stage-1 tiles)
+      if (!encode_2d(&maps[4 * g + 2], w2, F, H, a->w2_ld[g], 64, mok::kBK, errbuf, errlen, "w2")) return 1;
+    } else {  // recompute: W2^T [F, H] K-major in [64 h x 128 f] boxes (128-column stage-1 tiles)
+      if (!a->w2t || !a->w2t[g]) return write_err(errbuf, errlen, "recompute path needs W2^T of expert %d", g);
+      const __nv_bfloat16* w2t = reinterpret_cast<const __nv_bfloat16*>(a->w2t[g]);
+      if (!encode_2d(&maps[4 * g + 2], w2t, H, F, H, mok::kBK, 128, errbuf, errlen, "w2^T")) return 1;
+    }
+    // W1 [2F, H] read MN-major in [64 h x 64 j] boxes (stage 2: dX = dH @ W1)
+    if (!encode_2d(&maps[4 * g + 3], w1, H, 2 * F, a->w1_ld[g], 64, mok::kBK, errbuf, errlen, "w1 (MN-major)"))
+      return 1;
   }
   const unsigned long long cap = (unsigned long long)a->cap;
   for (int p = 0; p < np; ++p) {

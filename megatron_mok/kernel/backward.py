@@ -140,8 +140,9 @@ class _Args(ctypes.Structure):
         ("act", ctypes.c_void_p),
         ("w1", ctypes.c_void_p),
         ("w1_ld", ctypes.c_void_p),
+        ("w2", ctypes.c_void_p),
+        ("w2_ld", ctypes.c_void_p),
         ("w2t", ctypes.c_void_p),
-        ("w1t", ctypes.c_void_p),
         ("workspace", ctypes.c_ulonglong),
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
@@ -362,9 +363,9 @@ def mok_backward_emulated(
         for e in range(L):
             _check(w1[q][e], f"w1[{q}][{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False)
             _check(w2[q][e], f"w2[{q}][{e}]", torch.bfloat16, (H, F), device, contiguous=False)
-            a = w1[q][e]
-            if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
-                _fail(f"w1[{q}][{e}] needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
+            for n, a in ((f"w1[{q}][{e}]", w1[q][e]), (f"w2[{q}][{e}]", w2[q][e])):  # read in place by TMA
+                if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+                    _fail(f"{n} needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
     if not isinstance(comm_sms, int) or comm_sms < 1:
         _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
@@ -385,9 +386,11 @@ def mok_backward_emulated(
     if comm_sms >= cpr:
         _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {num_sms} SMs give {cpr} SMs per rank")
 
-    # K-major B operands of the dgrad GEMMs (materialised once per call)
-    w2t = [[w2[q][e].t().contiguous() for e in range(L)] for q in range(R)]
-    w1t = [[w1[q][e].t().contiguous() for e in range(L)] for q in range(R)]
+    # W1 / W2 are read as stored (MN-major B operands); only the recompute path's 128-column stage-1
+    # tiles read W2^T (K-major), materialised here once per call
+    w2t = (
+        [[w2[q][e].t().contiguous() for e in range(L)] for q in range(R)] if saved_h is None else [[] for _ in range(R)]
+    )
 
     cap = max(1, sum(Ts) * K)  # rows per owner rank's layout-order buffers (upper bound, no host sync)
     if saved_h is not None:
@@ -431,8 +434,10 @@ def mok_backward_emulated(
     args.xl, args.gyl, args.dh, args.act = ptrs(xl), ptrs(gyl), ptrs(dh), ptrs(act)
     args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
     args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
-    args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w1t = arr([w1t[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w2 = arr([w2[q][e].data_ptr() for q in range(R) for e in range(L)])
+    args.w2_ld = arr([w2[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
+    if saved_h is None:
+        args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
     if saved_h is not None:
         args.saved_h = ptrs(saved_h)
     if timeline is not None:
@@ -460,7 +465,7 @@ def mok_backward_emulated(
     if rc != 0:
         raise MokKernelError(f"MoK backward launch failed: {ebuf.value.decode(errors='replace')}")
     # keep the transposed weights alive until the kernel has read them (stream-ordered free)
-    for t in [t for row in w2t + w1t for t in row]:
+    for t in [t for row in w2t for t in row]:
         t.record_stream(stream)
     if check:
         check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
@@ -562,8 +567,9 @@ def mok_backward_rank(
     for e in range(L):
         _check(w1[e], f"w1[{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False, who=WHO)
         _check(w2[e], f"w2[{e}]", torch.bfloat16, (H, F), device, contiguous=False, who=WHO)
-        if w1[e].stride(1) != 1 or w1[e].stride(0) % 8 or w1[e].data_ptr() % 16:
-            fail(f"w1[{e}] needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
+        for n, a in ((f"w1[{e}]", w1[e]), (f"w2[{e}]", w2[e])):  # read in place by TMA
+            if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+                fail(f"{n} needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
     if wgrad not in ("mm", "grouped", "none"):
         fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}")
     if not isinstance(comm_sms, int) or comm_sms < 1:
@@ -599,8 +605,7 @@ def mok_backward_rank(
         gyl = torch.empty((cap, H), **bf)
         dh = torch.empty((cap, 2 * F), **bf)
         act = torch.empty((cap, F), **bf)
-        w2t = [w.t().contiguous() for w in w2]
-        w1t = [w.t().contiguous() for w in w1]
+        w2t = [w.t().contiguous() for w in w2] if saved_h is None else []  # recompute path only
 
     lib = load_library()
     keep = []
@@ -638,8 +643,10 @@ def mok_backward_rank(
     args.dh, args.act = own_only(dh.data_ptr()), own_only(act.data_ptr())
     args.w1 = arr([t.data_ptr() for t in w1])
     args.w1_ld = arr([t.stride(0) for t in w1], _i64)
-    args.w2t = arr([t.data_ptr() for t in w2t])
-    args.w1t = arr([t.data_ptr() for t in w1t])
+    args.w2 = arr([t.data_ptr() for t in w2])
+    args.w2_ld = arr([t.stride(0) for t in w2], _i64)
+    if w2t:
+        args.w2t = arr([t.data_ptr() for t in w2t])
     if saved_h is not None:
         args.saved_h = own_only(saved_h.data_ptr())
     args.rank = rank
@@ -661,7 +668,7 @@ def mok_backward_rank(
     if rc != 0:
         raise MokKernelError(f"MoK backward rank {rank} launch failed: {ebuf.value.decode(errors='replace')}")
     bufs.epoch = args.epoch
-    for t in [*w2t, *w1t]:
+    for t in w2t:
         t.record_stream(stream)
     if check:
         check_rank_backward_error(bufs, stream, L=L, timeout_ms=timeout_ms)

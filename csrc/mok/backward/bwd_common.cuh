@@ -38,14 +38,15 @@ struct BwdParams {
 };
 
 // Tensor maps (this launch's partitions p = part(q) = q - rank0; emulated EP: p = q):
-// per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2^T [F,H], 4g+3 W1^T [H,2F];
+// per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2 (see tm_w2), 4g+3 W1 (MN-major);
 // per partition p: 4*np*L + 4p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset).
-// W2^T boxes are 128 rows (recompute: 128-col stage-1 tiles) or 256 rows (saved h: 256-col tiles).
 __device__ __forceinline__ int bwd_expert(const BwdParams& P, int q, int e) { return part(P.base, q) * P.base.L + e; }
 __device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
 __device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }
-__device__ __forceinline__ const CUtensorMap* tm_w2t(const BwdParams& P, int g) { return P.tm + 4 * g + 2; }
-__device__ __forceinline__ const CUtensorMap* tm_w1t(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
+// 4g+2: recompute: W2^T [F, H] K-major, 128-row boxes; saved h: W2 [H, F] as stored, MN-major [64 x 64] boxes
+__device__ __forceinline__ const CUtensorMap* tm_w2(const BwdParams& P, int g) { return P.tm + 4 * g + 2; }
+// 4g+3: W1 [2F, H] as stored, MN-major [64 x 64] boxes (B operand of dX = dH @ W1)
+__device__ __forceinline__ const CUtensorMap* tm_w1mn(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
 __device__ __forceinline__ const CUtensorMap* tm_rank(const BwdParams& P, int q) {
   return P.tm + 4 * P.base.nparts * P.base.L + 4 * part(P.base, q);
 }

@@ -3,19 +3,21 @@
 // 128-row tiles, BK = 64, kStages-deep smem ring with full/empty mbarriers).
 //
 // Tickets per minibatch (handed out in order by a per-rank atomic counter):
-//   stage 1, (mt, nt) over mt_max x nt1, nt = 128 ffn columns [nt*128, nt*128+128):
-//     K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u]);
-//       skipped when the forward kept h (br.saved_h): the tile's g / u are loaded from there instead
+//   stage 1, (mt, nt) over mt_max x nt1 (needs the minibatch's pulled rows):
+//     recompute (bwd_consumer), nt = 128 ffn columns:
+//       K loop G (K = H): [128x256] = x_rows @ [W1_gate rows ; W1_up rows]^T   (recompute h = [g | u])
 //       -> act[row, c] = bf16(silu(g)*u) stored; c1 = u*dsilu(g), c2 = silu(g) parked (bf16) in dh
-//     K loop D (K = H): [128x128] = gy_rows @ W2^T rows (dA = gy @ W2), accumulator reused
+//       K loop D (K = H): [128x128] = gy_rows @ W2^T rows (dA = gy @ W2), accumulator reused
 //       -> dh[row, c] = bf16(dA*c1), dh[row, F+c] = bf16(dA*c2)
+//     saved h (bwd_consumer_saved), nt = 256 ffn columns: one K loop (K = H) dA = gy_rows @ W2 (n256),
+//       then the tile's g / u through the smem ring -> dh as above (act: comm SMs)
 //     -> s1_done[q][mb][mt] += 1
 //   stage 2, (mt, nt) over mt_max x nt2, nt = 256 hidden columns, needs s1_done == nt1:
-//     K loop (K = 2F): acc[128x256] = dh_rows @ W1^T rows (dX = dH @ W1)
+//     K loop (K = 2F): acc[128x256] = dh_rows @ W1 (dX = dH @ W1)
 //     epilogue = push reverse-dispatch: bf16 rows to home rank's grad_buf[t, k, :]
 //     -> mb_done[q][mb] += 1 (frees the slot for minibatch mb + S)
-// All B operands are K-major: gate/up rows of W1 as stored, W2^T [F, H] and W1^T [H, 2F] are
-// transposed copies made by the host wrapper once per call.
+// B operands: gate/up rows of W1 K-major as stored; W1 (stage 2) and, with saved h, W2 (stage 1)
+// MN-major as stored; only the recompute path's loop D reads a transposed copy W2^T made by the wrapper.
 #pragma once
 #include "bwd_common.cuh"
 
@@ -123,7 +125,9 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
         uint8_t* a_s = sm.stages + st * kStageBytes;
         Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
         tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
-        tma_load_2d(tm_w2t(P, g), &sm.full[st], a_s + kATileBytes, kb * kBK, ti.nt * 256);
+        for (int b = 0; b < 4; ++b)  // W2 rows h = K, columns f = N: four [64 f x 64 h] MN-major boxes
+          tma_load_2d(tm_w2(P, g), &sm.full[st], a_s + kATileBytes + b * (kBK * 64 * 2), ti.nt * 256 + 64 * b,
+                      kb * kBK);
         if (++st == kStages) { st = 0; ph ^= 1u; }
       }
       for (int hf = 0; hf < 2; ++hf) {
@@ -152,7 +156,7 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
           } else {
             Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)(kATileBytes + kBTileBytes / 2));
             tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
-            tma_load_2d(tm_w2t(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 128);
+            tma_load_2d(tm_w2(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * 128);  // W2^T, K-major
           }
           if (++st == kStages) { st = 0; ph ^= 1u; }
         }
@@ -165,7 +169,8 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
         uint8_t* b_s = a_s + kATileBytes;
         Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
         tma_load_2d(tm_dh(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
-        tma_load_2d(tm_w1t(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kBN);
+        for (int b = 0; b < 4; ++b)  // W1 rows j = K, columns h = N: four [64 h x 64 j] MN-major boxes
+          tma_load_2d(tm_w1mn(P, g), &sm.full[st], b_s + b * (kBK * 64 * 2), ti.nt * kBN + 64 * b, kb * kBK);
         if (++st == kStages) { st = 0; ph ^= 1u; }
       }
     }
@@ -233,7 +238,8 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     //          acc[0..63] = gy @ W2^T rows (n128) = dA; epilogue 2: dh = [dA * c1 | dA * c2].
     // Stage 2: loop G only (K = 2F): acc = dh @ W1^T rows (n256); epilogue = push.
     // Straight loops with data-dependent trip counts (no branch around the wgmma instructions).
-    const int nkG = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
+    const int nkG = ti.kind == 1 ? ceil_div(H, kBK) : 0;
+    const int nkX = ti.kind == 2 ? ceil_div(2 * F, kBK) : 0;
     const int nkD = ti.kind == 1 ? ceil_div(H, kBK) : 0;
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     int prev = 0;
@@ -255,9 +261,28 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       prev = st;
       if (++st == kStages) { st = 0; ph ^= 1u; }
     }
-    cute::warpgroup_wait<0>();  // unconditional (no-op without loop G): keeps the compiler's wgmma tracking simple
+    // loop X (stage 2, K = 2F): B = W1 as stored (MN-major)
+    for (int kb = 0; kb < nkX; ++kb) {
+      mbar_wait(B, &sm.full[st], ph, q, 4);
+      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
+      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+      const uint64_t da = make_smem_desc_sw128(a_s);
+      const uint64_t db = make_smem_desc_sw128_mn(b_s);
+      fence_acc(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk)
+        wgmma_64x256x16_bmn(da + (uint64_t)(2 * kk), db + kMnDescK16Step * kk, acc, (kb > 0) || (kk > 0));
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      fence_acc(acc);
+      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+      prev = st;
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+    cute::warpgroup_wait<0>();  // unconditional (no-op without loop G / X): keeps the compiler's wgmma tracking simple
     fence_acc(acc);
-    if (nkG > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+    if (nkG + nkX > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
 
     if (ti.kind == 1) {
       __nv_bfloat16* const dhp = P.br[q].dh;
@@ -372,7 +397,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
 
 // ------------------------------------------------------------------------------------------------
 // Saved-h variant: the forward kept h = [g | u], so stage 1 has no recompute and its tile is as wide as
-// stage 2's: loop (K = H): acc[128 x 256] = gy_rows @ W2^T rows [nt*256, +256) (dA, n256 atom: half
+// stage 2's: loop (K = H): acc[128 x 256] = gy_rows @ W2[:, nt*256 : +256] (dA, n256 atom: half
 // the operand bytes per FLOP of the 128-column tile, whose loop was L2-bound). Its g / u columns come
 // through the same smem ring right after the loop (the producer's 4 h stages: per 128-column half, one
 // stage of g and one of u, two [128 x 64] boxes each), so the epilogue reads them from smem instead of
@@ -407,12 +432,12 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
       const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
       const uint64_t da = make_smem_desc_sw128(a_s);
-      const uint64_t db = make_smem_desc_sw128(b_s);
+      const uint64_t db = make_smem_desc_sw128_mn(b_s);  // W2 (stage 1) / W1 (stage 2) as stored
       fence_acc(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+        wgmma_64x256x16_bmn(da + (uint64_t)(2 * kk), db + kMnDescK16Step * kk, acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<1>();
       fence_acc(acc);
