@@ -64,16 +64,18 @@ def _symmetric_memory_available() -> bool:
 _KERNEL_BACKENDS: dict = {}
 
 
-def kernel_backend(comm_sms: int, timeout_ms: float):
+def kernel_backend(comm_sms: int, timeout_ms: float, backward_comm_sms: int = 0):
     """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
     symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
     layer's forward and backward advance in the same order on all ranks."""
     from .kernel_backend import KernelBackend
 
-    key = (int(comm_sms), float(timeout_ms))
+    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms))
     b = _KERNEL_BACKENDS.get(key)
     if b is None:
-        b = _KERNEL_BACKENDS[key] = KernelBackend(comm_sms=comm_sms, timeout_ms=timeout_ms)
+        b = _KERNEL_BACKENDS[key] = KernelBackend(
+            comm_sms=comm_sms, timeout_ms=timeout_ms, backward_comm_sms=backward_comm_sms
+        )
     return b
 
 
@@ -84,6 +86,7 @@ def select_backend(
     tensor_dtype: torch.dtype | None = None,
     comm_sms: int = 20,
     timeout_ms: float = 10000.0,
+    backward_comm_sms: int = 0,
 ):
     want = requested_backend()
     if dtype != "bf16":
@@ -95,7 +98,7 @@ def select_backend(
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
-        return kernel_backend(comm_sms, timeout_ms)
+        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms)
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)

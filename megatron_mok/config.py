@@ -66,6 +66,9 @@ class KernelSpec:
     arch: str = "sm_90a"
     num_sms: int = 132
     comm_sms: int = 20
+    #: Comm SMs of the backward kernel (0: 2 x comm_sms, at most num_sms - 1): it pulls two rows per
+    #: layout row (x and the output gradient) and does the router gradient on them.
+    backward_comm_sms: int = 0
     ring_slots: int = 4
     #: Rows of the per-expert layout that go through the FFN together (one ring slot).
     minibatch_tokens: int = 0
@@ -81,6 +84,11 @@ class KernelSpec:
     @property
     def compute_sms(self) -> int:
         return self.num_sms - self.comm_sms
+
+    @property
+    def bwd_comm_sms(self) -> int:
+        """backward_comm_sms, or its documented default when 0."""
+        return self.backward_comm_sms or min(2 * self.comm_sms, self.num_sms - 1)
 
 
 @dataclass(frozen=True)
@@ -216,6 +224,11 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
     if not 1 <= spec.comm_sms < spec.num_sms:
         raise bad(
             "comm_sms", f"must be in [1, num_sms - 1 = {spec.num_sms - 1}] so some SMs compute, got {spec.comm_sms}"
+        )
+    if spec.backward_comm_sms and not 1 <= spec.backward_comm_sms < spec.num_sms:
+        raise bad(
+            "backward_comm_sms",
+            f"must be 0 (2 x comm_sms) or in [1, num_sms - 1 = {spec.num_sms - 1}], got {spec.backward_comm_sms}",
         )
     if spec.ring_slots < 2:
         raise bad(

@@ -171,6 +171,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             hidden_states.dtype,
             comm_sms=k.comm_sms,
             timeout_ms=k.timeout_ms,
+            backward_comm_sms=k.bwd_comm_sms,
         )
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan

@@ -25,8 +25,15 @@ from .reference import MokPlan, mok_backward, pull_into
 class KernelBackend:
     name = "kernel"
 
-    def __init__(self, comm_sms: int = 20, timeout_ms: float = 10000.0, check: bool | str | None = None) -> None:
+    def __init__(
+        self,
+        comm_sms: int = 20,
+        timeout_ms: float = 10000.0,
+        check: bool | str | None = None,
+        backward_comm_sms: int = 0,
+    ) -> None:
         self.comm_sms = comm_sms
+        self.backward_comm_sms = backward_comm_sms or comm_sms  # the config resolves its default
         self.timeout_ms = timeout_ms
         # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
         # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
@@ -106,7 +113,7 @@ class KernelBackend:
             state["combine_buf"],
             [w.detach() for w in w1],
             [w.detach() for w in w2],
-            comm_sms=self.comm_sms,
+            comm_sms=self.backward_comm_sms,
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
@@ -199,7 +206,7 @@ class KernelBackend:
                 [state["combine_buf"]],
                 [[w.detach() for w in w1]],
                 [[w.detach() for w in w2]],
-                comm_sms=self.comm_sms,
+                comm_sms=self.backward_comm_sms,
                 ring_slots=plan.ring.ring_slots,
                 minibatch_tokens=plan.ring.minibatch_tokens,
                 timeout_ms=self.timeout_ms,

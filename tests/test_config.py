@@ -63,6 +63,8 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
         ("model", "hiden_size", 4, "unknown key"),
         ("kernel", "comm_sms", 132, "so some SMs compute"),
         ("kernel", "comm_sms", 0, "comm_sms"),
+        ("kernel", "backward_comm_sms", 132, "0 (2 x comm_sms)"),
+        ("kernel", "backward_comm_sms", -1, "0 (2 x comm_sms)"),
         ("kernel", "ring_slots", 1, ">= 2 slots"),
         ("kernel", "dtype", "fp16", "not one of"),
         ("kernel", "dtype", "mxfp8", "sm_100a"),
@@ -150,3 +152,10 @@ def test_fp8_dtype_is_a_clear_error_not_a_silent_bf16_run():
     with pytest.raises(MokBackendError, match="kernel.dtype 'fp8' is not implemented yet"):
         select_backend(torch.device("cpu"), 1, "fp8", torch.bfloat16)
     assert select_backend(torch.device("cpu"), 1, "bf16", torch.float32).name == "reference"
+
+
+def test_backward_comm_sms_default_and_explicit():
+    assert parse_config(GOOD).kernel.bwd_comm_sms == 32  # 0: twice the forward's 16
+    assert parse_config(_with("kernel", backward_comm_sms=12)).kernel.bwd_comm_sms == 12
+    assert parse_config(_with("kernel", comm_sms=100)).kernel.bwd_comm_sms == 131  # capped: one SM computes
+    assert load_config("kimi-k2").kernel.bwd_comm_sms == 16
