@@ -81,4 +81,16 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
   cute::SM90_TMA_LOAD_2D::copy(map, bar, 0x1000000000000000ull /*EVICT_NORMAL*/, smem, c0, c1);
 }
 
+// TMA 2-D store: smem box -> global at (c0 = inner coordinate, c1 = row coordinate), bulk-group based.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem, int c0, int c1) {
+  cute::SM90_TMA_STORE_2D::copy(map, smem, c0, c1);
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// wait until every committed store has finished READING its smem (the buffer may be reused)
+__device__ __forceinline__ void tma_store_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// wait until every committed store has completed its global writes
+__device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// generic-proxy smem writes of this thread -> visible to the async proxy (a following TMA store)
+__device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 }  // namespace mok

@@ -193,7 +193,7 @@ BwdWs plan(const MokBwdArgs* a) {
   w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
-  w.tmaps = take((size_t)(4 * np * a->L + 4 * np) * sizeof(CUtensorMap));
+  w.tmaps = take((size_t)(4 * np * a->L + 5 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
   w.layout = take((size_t)np * (size_t)a->cap * sizeof(int2));
@@ -295,7 +295,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   const unsigned long long cap = (unsigned long long)a->cap;
   for (int p = 0; p < np; ++p) {
     const int q = rank0 + p;
-    CUtensorMap* rm = &maps[4 * np * L + 4 * p];
+    CUtensorMap* rm = &maps[4 * np * L + 5 * p];
     if (!encode_2d(&rm[0], reinterpret_cast<void*>(a->xl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "xl"))
       return 1;
     if (!encode_2d(&rm[1], reinterpret_cast<void*>(a->gyl[q]), H, cap, H, mok::kBK, mok::kBM, errbuf, errlen, "gyl"))
@@ -306,6 +306,9 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
     // (home buffers of a rank without tokens may be empty tensors with null data pointers)
     if (!a->xl[q] || !a->gyl[q] || !a->dh[q] || !a->act[q] || !a->tpe[q] || (a->saved_h && !a->saved_h[q]))
       return write_err(errbuf, errlen, "rank %d: an owner-side buffer pointer (xl/gyl/dh/act/tpe/saved_h) is null", q);
+    if (!encode_2d(&rm[4], reinterpret_cast<void*>(a->dh[q]), 2 * F, cap, 2 * F, mok::kBK, 64, errbuf, errlen,
+                   "dh (64-row boxes)"))
+      return 1;
     if (a->saved_h && !encode_2d(&rm[3], reinterpret_cast<void*>(a->saved_h[q]), 2 * F, cap, 2 * F, mok::kBK,
                                  mok::kBM, errbuf, errlen, "saved_h"))
       return 1;
@@ -370,6 +373,10 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.t1 = ws.mt_max * P.nt1;
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);
+  {
+    const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
+    P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
+  }
 
   MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, hbytes, cudaMemcpyHostToDevice, stream));
   MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));

@@ -35,11 +35,13 @@ struct BwdParams {
   unsigned* ctr;        // == base.counters
   int nt1, nt2;         // stage-1 tiles (128 ffn cols) and stage-2 tiles (256 hidden cols) per row block
   int t1, tickets_per_mb;
+  int tma_store;        // saved-h stage-1 epilogue: TMA stores of dh (1) or generic copies via smem (0)
 };
 
 // Tensor maps (this launch's partitions p = part(q) = q - rank0; emulated EP: p = q):
 // per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2 (see tm_w2), 4g+3 W1 (MN-major);
-// per partition p: 4*np*L + 4p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset).
+// per partition p: 4*np*L + 5p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset),
+// +4 dh in [64 x 64] boxes (TMA stores).
 __device__ __forceinline__ int bwd_expert(const BwdParams& P, int q, int e) { return part(P.base, q) * P.base.L + e; }
 __device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
 __device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }
@@ -48,12 +50,14 @@ __device__ __forceinline__ const CUtensorMap* tm_w2(const BwdParams& P, int g) {
 // 4g+3: W1 [2F, H] as stored, MN-major [64 x 64] boxes (B operand of dX = dH @ W1)
 __device__ __forceinline__ const CUtensorMap* tm_w1mn(const BwdParams& P, int g) { return P.tm + 4 * g + 3; }
 __device__ __forceinline__ const CUtensorMap* tm_rank(const BwdParams& P, int q) {
-  return P.tm + 4 * P.base.nparts * P.base.L + 4 * part(P.base, q);
+  return P.tm + 4 * P.base.nparts * P.base.L + 5 * part(P.base, q);
 }
 __device__ __forceinline__ const CUtensorMap* tm_xl(const BwdParams& P, int q) { return tm_rank(P, q); }
 __device__ __forceinline__ const CUtensorMap* tm_gyl(const BwdParams& P, int q) { return tm_rank(P, q) + 1; }
 __device__ __forceinline__ const CUtensorMap* tm_dh(const BwdParams& P, int q) { return tm_rank(P, q) + 2; }
 __device__ __forceinline__ const CUtensorMap* tm_h(const BwdParams& P, int q) { return tm_rank(P, q) + 3; }
+// dh [cap, 2F] in [64 cols x 64 rows] boxes: TMA stores of one warpgroup's rows (saved-h stage-1 epilogue)
+__device__ __forceinline__ const CUtensorMap* tm_dh64(const BwdParams& P, int q) { return tm_rank(P, q) + 4; }
 
 // Counters (zeroed per launch), per partition p of this launch (np = nparts):
 // [0] grid barrier (schedule.cuh / timeout.cuh use counters[0]), [1] compute done, [2, 2+np) tickets,

@@ -452,8 +452,11 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
     if (ti.kind == 1) {
       const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage1, (unsigned)ti.mb, t_tile, t_epi);
-      __nv_bfloat16* const dhp = P.br[q].dh;
-      // acc cols 8J + 2(lane%4) + {0,1}, J < 32 = tile col; half hf holds J in [16hf, 16hf + 16)
+      // acc cols 8J + 2(lane%4) + {0,1}, J < 32 = tile col; half hf holds J in [16hf, 16hf + 16).
+      // dgate / dup overwrite g / u in place in the smem stages (same thread, same words), then go out
+      // with TMA stores of this warpgroup's [64 rows x 64 cols] sub-boxes (no per-thread global stores);
+      // a warpgroup whose 64 rows run past the tile (last tile of an expert) copies its valid rows instead.
+      const int wg_rows = min(max(ti.rows - wgc * 64, 0), 64);
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int sg = st;
@@ -464,54 +467,73 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
         if (++st == kStages) { st = 0; ph ^= 1u; }
         mbar_wait(B, &sm.full[sg], pg, q, 4);
         mbar_wait(B, &sm.full[su], pu, q, 4);
-        const uint8_t* gsm = sm.stages + sg * kStageBytes;
-        const uint8_t* usm = sm.stages + su * kStageBytes;
+        uint8_t* gsm = sm.stages + sg * kStageBytes;
+        uint8_t* usm = sm.stages + su * kStageBytes;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_lo + 8 * h;
-          const long long row = (long long)ti.row0 + r;
 #pragma unroll
-          for (int j0 = 0; j0 < 16; j0 += 4) {
-            uint32_t wg[4], wu[4];
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-              const int j = j0 + jj;                      // 8-col group within the half
-              const int cc = 8 * j + 2 * (lane & 3);      // col within the half (0..127)
-              const int off = (cc >> 6) * (kBM * kBK * 2) + sw128_offset(r, cc & 63);
-              const uint32_t gv = *reinterpret_cast<const uint32_t*>(gsm + off);
-              const uint32_t uv = *reinterpret_cast<const uint32_t*>(usm + off);
-              const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
-              const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
-              const float sx = sigmoid_fast(g.x), sy = sigmoid_fast(g.y);
-              // c1 / c2 rounded to bf16 as in the recompute path (parked there)
-              const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
-              const uint32_t p2 = pack2(g.x * sx, g.y * sy);
-              const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
-              const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
-              const int J = 16 * hf + j;
-              const float d0 = acc[4 * J + 2 * h], d1 = acc[4 * J + 2 * h + 1];
-              wg[jj] = pack2(d0 * f1.x, d1 * f1.y);
-              wu[jj] = pack2(d0 * f2.x, d1 * f2.y);
-            }
-            const uint4 vg = quad_xpose(wg[0], wg[1], wg[2], wg[3], lane);
-            const uint4 vu = quad_xpose(wu[0], wu[1], wu[2], wu[3], lane);
-            const int c = ti.nt * 256 + 128 * hf + 8 * (j0 + (lane & 3));
-            if (r < ti.rows && c < F) {
-              *reinterpret_cast<uint4*>(dhp + row * 2 * F + c) = vg;
-              *reinterpret_cast<uint4*>(dhp + row * 2 * F + F + c) = vu;
-            }
-            // keep the next group's smem loads below this point: hoisting all 64 of them next to the 128
-            // live accumulators is what made ptxas spill
-            asm volatile("" ::: "memory");
+          for (int j = 0; j < 16; ++j) {
+            const int cc = 8 * j + 2 * (lane & 3);  // col within the half (0..127)
+            const int off = (cc >> 6) * (kBM * kBK * 2) + sw128_offset(r, cc & 63);
+            const uint32_t gv = *reinterpret_cast<const uint32_t*>(gsm + off);
+            const uint32_t uv = *reinterpret_cast<const uint32_t*>(usm + off);
+            const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
+            const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
+            const float sx = sigmoid_fast(g.x), sy = sigmoid_fast(g.y);
+            // c1 / c2 rounded to bf16 as in the recompute path (parked there)
+            const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
+            const uint32_t p2 = pack2(g.x * sx, g.y * sy);
+            const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
+            const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
+            const int J = 16 * hf + j;
+            const float d0 = acc[4 * J + 2 * h], d1 = acc[4 * J + 2 * h + 1];
+            *reinterpret_cast<uint32_t*>(gsm + off) = pack2(d0 * f1.x, d1 * f1.y);
+            *reinterpret_cast<uint32_t*>(usm + off) = pack2(d0 * f2.x, d1 * f2.y);
           }
         }
-        named_bar_sync(2 + wgc, 128);  // this warpgroup's smem reads of both stages are done
-        if (lt == 0) {
-          Barrier::arrive(&sm.empty[sg]);
-          Barrier::arrive(&sm.empty[su]);
+        const int c_half = ti.nt * 256 + 128 * hf;  // first dh column of this half
+        if (wg_rows == 64 && P.tma_store) {
+          fence_view_async_shared();       // this thread's smem writes -> visible to the TMA store
+          named_bar_sync(2 + wgc, 128);
+          if (lt == 0) {
+            for (int b = 0; b < 2; ++b) {
+              const int c = c_half + 64 * b;
+              if (c >= F) break;  // F % 64 == 0: a box is all inside or all outside [0, F)
+              const int so = b * (kBM * kBK * 2) + wgc * (64 * 128);
+              tma_store_2d(tm_dh64(P, q), gsm + so, c, ti.row0 + wgc * 64);
+              tma_store_2d(tm_dh64(P, q), usm + so, F + c, ti.row0 + wgc * 64);
+            }
+            tma_store_commit();
+            tma_store_wait_read0();  // the stages may be refilled once the stores have read them
+            Barrier::arrive(&sm.empty[sg]);
+            Barrier::arrive(&sm.empty[su]);
+          }
+        } else {
+          named_bar_sync(2 + wgc, 128);
+          __nv_bfloat16* const dhp = P.br[q].dh;
+          for (int i = lt; i < wg_rows * 16; i += 128) {  // (row, box, 16-byte chunk)
+            const int rr = i >> 4, b = (i >> 3) & 1, ch = i & 7;
+            const int r = wgc * 64 + rr;
+            const int c = c_half + 64 * b + 8 * ch;
+            if (c < F) {
+              const int so = b * (kBM * kBK * 2) + r * 128 + ((ch ^ (r & 7)) << 4);
+              const long long row = (long long)ti.row0 + r;
+              *reinterpret_cast<uint4*>(dhp + row * 2 * F + c) = *reinterpret_cast<const uint4*>(gsm + so);
+              *reinterpret_cast<uint4*>(dhp + row * 2 * F + F + c) = *reinterpret_cast<const uint4*>(usm + so);
+            }
+          }
+          named_bar_sync(2 + wgc, 128);
+          if (lt == 0) {
+            Barrier::arrive(&sm.empty[sg]);
+            Barrier::arrive(&sm.empty[su]);
+          }
         }
       }
-      fence_proxy_async_global();  // dh is read next by TMA (stage-2 tiles, maybe other SMs)
+      // dh must be globally visible before s1_done: TMA stores complete, generic stores fenced; both
+      // are read next by TMA (stage-2 tiles, maybe other SMs)
+      if (wg_rows == 64 && P.tma_store && lt == 0) tma_store_wait_all();
+      fence_proxy_async_global();
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {
         __threadfence();
