@@ -173,6 +173,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="also try comm_sms 4 / 16")
     ap.add_argument("--no-mcore", action="store_true")
+    ap.add_argument("--saved-only", action="store_true", help="skip the recompute variants of MoK (quick run)")
     args = ap.parse_args()
 
     from megatron_mok.kernel import backward as bk
@@ -205,6 +206,8 @@ def main():
 
     best = None
     configs = [args.comm_sms] + ([c for c in (4, 16) if c != args.comm_sms] if args.sweep else [])
+    if args.saved_only:
+        configs = []
     if bk.is_available():
         for comm in configs:
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
