@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import traceback
 
@@ -26,41 +25,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PEAK = 760.0
-
-
-def timeit(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), min(times)
+from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, timeit  # noqa: E402
 
 
 def rel(a, b):
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_inputs(H, F, K, L, T, seed=0):
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev)
-    g.manual_seed(seed)
-    x = torch.randn((T, H), generator=g, device=dev).bfloat16()
-    scores = torch.rand((T, L), generator=g, device=dev)
-    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()
-    w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
-    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H**0.5).bfloat16()
-    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F**0.5).bfloat16()
-    go = torch.randn((T, H), generator=g, device=dev).bfloat16()
-    return x, idx, w, w1, w2, go
 
 
 def permutation(idx, L):
@@ -107,62 +77,6 @@ def torch_backward(x, idx, w, go, comb, w1, w2, L, F):
     return gx, gw, dw1, dw2
 
 
-def mcore_setup(H, F, K, L):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29535")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=8,
-        ffn_hidden_size=F,
-        moe_ffn_hidden_size=F,
-        num_moe_experts=L,
-        moe_router_topk=K,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        add_bias_linear=False,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=False,
-        perform_initialization=False,
-    )
-    pgc = get_default_pg_collection()
-    experts = (
-        SequentialMLP(
-            L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), pg_collection=pgc
-        )
-        .cuda()
-        .bfloat16()
-    )
-    disp = MoEAlltoAllTokenDispatcher(
-        num_local_experts=L, local_expert_indices=list(range(L)), config=cfg, pg_collection=pgc
-    )
-    return experts, disp
-
-
-def mcore_forward(experts, disp, x, routing_map, probs):
-    hs, pp = disp.dispatch_preprocess(x, routing_map, probs)
-    hs, pp = disp.token_dispatch(hs, pp)
-    hs, tpe, pp = disp.dispatch_postprocess(hs, pp)
-    out, _ = experts(hs, tpe, pp)
-    out = disp.combine_preprocess(out)
-    out = disp.token_combine(out)
-    return disp.combine_postprocess(out)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -192,7 +106,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     if not bk.is_available():
         print(f"MoK backward kernel unavailable: {bk.unavailable_reason()}", flush=True)
-    x, idx, w, w1, w2, go = make_inputs(H, F, K, L, T)
+    x, idx, w, w1, w2, go = make_inputs(H, F, K, L, T, grad=True)
     comb = torch_combine_buf(x, idx, w1, w2, L, F)
     w1l, w2l = [[w1[e] for e in range(L)]], [[w2[e] for e in range(L)]]
 
@@ -309,7 +223,7 @@ def main():
     m_ms = None
     if not args.no_mcore:
         try:
-            experts, disp = mcore_setup(H, F, K, L)
+            experts, disp = mcore_setup(H, F, K, L, port="29535")
             with torch.no_grad():
                 for e in range(L):
                     experts.local_experts[e].linear_fc1.weight.copy_(w1[e])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -25,28 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-PEAK = 760.0  # TFLOP/s, bf16 dense reference used for "fraction of peak"
+from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, timeit  # noqa: E402
 
 SHAPES = {
     # name: (H, F, K, L, tokens)
     "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
     "qwen": (2048, 768, 8, 16, 4096),  # Qwen3-30B-A3B-like slice: 32768 rows, 16 local experts
 }
-
-
-def timeit(fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), min(times)
 
 
 def timeit_pipelined(fn, iters, warmup):
@@ -63,19 +47,6 @@ def timeit_pipelined(fn, iters, warmup):
     return s.elapsed_time(e) / iters
 
 
-def make_inputs(H, F, K, L, T, seed=0):
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev)
-    g.manual_seed(seed)
-    x = torch.randn((T, H), generator=g, device=dev).bfloat16()
-    scores = torch.rand((T, L), generator=g, device=dev)
-    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()  # uniform-ish, distinct experts
-    w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
-    w1 = (torch.randn((L, 2 * F, H), generator=g, device=dev) / H**0.5).bfloat16()
-    w2 = (torch.randn((L, H, F), generator=g, device=dev) / F**0.5).bfloat16()
-    return x, idx, w, w1, w2
-
-
 def torch_forward(x, idx, w, w1t, w2t, L, F):
     T, H = x.shape
     K = idx.shape[1]
@@ -90,60 +61,6 @@ def torch_forward(x, idx, w, w1t, w2t, L, F):
     yk = torch.empty_like(y)
     yk[order] = y
     return (yk.view(T, K, H).float() * w.unsqueeze(-1)).sum(1).bfloat16()
-
-
-def mcore_setup(H, F, K, L):
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    cfg = TransformerConfig(
-        num_layers=1,
-        hidden_size=H,
-        num_attention_heads=8,
-        ffn_hidden_size=F,
-        moe_ffn_hidden_size=F,
-        num_moe_experts=L,
-        moe_router_topk=K,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        add_bias_linear=False,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=False,
-        perform_initialization=False,
-    )
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-
-    pgc = get_default_pg_collection()
-    experts = SequentialMLP(
-        L, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), pg_collection=pgc
-    )
-    experts = experts.cuda().bfloat16()
-    disp = MoEAlltoAllTokenDispatcher(
-        num_local_experts=L, local_expert_indices=list(range(L)), config=cfg, pg_collection=pgc
-    )
-    return experts, disp
-
-
-def mcore_forward(experts, disp, x, routing_map, probs):
-    hs, pp = disp.dispatch_preprocess(x, routing_map, probs)
-    hs, pp = disp.token_dispatch(hs, pp)
-    hs, tpe, pp = disp.dispatch_postprocess(hs, pp)
-    out, _ = experts(hs, tpe, pp)
-    out = disp.combine_preprocess(out)
-    out = disp.token_combine(out)
-    return disp.combine_postprocess(out)
 
 
 def dense_ceiling(rows, H, F, iters, warmup):
