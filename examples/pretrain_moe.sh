@@ -3,6 +3,10 @@
 # MODEL=deepseek-v3 (examples/pretrain_kimi_k2.sh and pretrain_deepseek_v3.sh set it).
 #   MODEL=kimi-k2 MEGATRON_LM=/path/to/Megatron-LM NNODES=.. NODE_RANK=.. MASTER_ADDR=.. bash examples/pretrain_moe.sh
 #   MODEL=kimi-k2 SCALE=small bash examples/pretrain_moe.sh     # 4 layers, 16 experts: fits one H200 (EP=1)
+#   MODEL=kimi-k2 SCALE=small TE=0 GPUS_PER_NODE=1 TRAIN_ITERS=20 bash examples/pretrain_moe.sh
+#       # without Transformer Engine (Megatron's local layers): MLA needs TE's attention in megatron-core
+#       # 0.19, so attention becomes GQA-8 (kv 128) and TE/apex-only fusions are switched off; vocab 32768
+#       # keeps the 4-layer model at ~61 GiB of weights + Adam states. The MoE part (and MoK) is unchanged.
 # Architecture flags follow the public recipes:
 #   Kimi-K2: 61 layers (1 dense + 60 MoE), MLA, 384 experts of ffn 2048, top-8, one shared expert, sigmoid
 #            router with expert bias.
@@ -48,12 +52,22 @@ else
   BATCH=(--micro-batch-size 1 --global-batch-size 2048 --seq-length 4096 --max-position-embeddings 4096)
   MOK_CFG=$MODEL
 fi
+if [ "${TE:-1}" = 0 ]; then
+  ATTN=(--num-attention-heads $HEADS --group-query-attention --num-query-groups 8 --kv-channels 128 --qk-layernorm)
+  NO_TE=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion
+         --no-masked-softmax-fusion --attention-dropout 0 --hidden-dropout 0 --eval-iters 0)
+  VOCAB=${VOCAB_SIZE:-32768}
+else
+  ATTN=(--num-attention-heads $HEADS --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512
+        --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm)
+  NO_TE=(--transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}")
+  VOCAB=${VOCAB_SIZE:-$VOCAB}
+fi
 torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-6000}" \
   -m megatron_mok.launch "$MEGATRON_LM/pretrain_gpt.py" \
   "${ARCH[@]}" "${PAR[@]}" "${BATCH[@]}" \
-  --num-attention-heads $HEADS --multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 \
-  --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm \
+  "${ATTN[@]}" \
   --normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights \
   --position-embedding-type rope --rotary-base $ROTARY_BASE \
   --moe-router-topk 8 --moe-router-score-function sigmoid --moe-router-enable-expert-bias \
@@ -63,4 +77,4 @@ torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node-rank "
   --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
   --train-iters "${TRAIN_ITERS:-500}" --log-interval 1 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size $VOCAB \
-  --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}" "$@"
+  "${NO_TE[@]}" "$@"
