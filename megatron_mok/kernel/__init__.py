@@ -1,4 +1,4 @@
-"""MoK forward megakernel (BF16, Hopper sm_90a): Python entry points.
+"""MoK megakernels (BF16, Hopper sm_90a): Python entry points.
 
 Importing this module is cheap and safe on CPU-only machines: torch is imported, nothing is built.
 The CUDA library is JIT-compiled with nvcc on first use (see ``build.py``) and cached.
@@ -11,7 +11,9 @@ Contract (used by the dispatcher):
                        timeout_ms=10000.0, debug_stall=None)
       -> (out[r] [T_r, H] bf16, combine_buf[r] [T_r, K, H] bf16, tokens_per_expert[q] [L] int32)
   PeerBuffers / mok_forward_rank (peer_ep.py): per-rank launches, real EP over torch symmetric memory
-  Timeline (timeline.py): optional in-kernel per-SM timeline of a forward launch
+  backward.py: mok_backward_emulated / mok_backward_rank (the backward kernel, same launch shapes);
+      imported on demand (``from megatron_mok.kernel.backward import ...``), it has its own library
+  Timeline (timeline.py): optional in-kernel per-SM timeline of a forward or backward launch
 """
 
 from __future__ import annotations
