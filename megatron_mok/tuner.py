@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import yaml
 
 from .config import MokConfig, load_config, min_minibatch_tokens, parse_config
+from .timing import cuda_times_ms
 
 
 def candidate_grid(cfg: MokConfig, comm_sms: list[int] | None, minibatches: list[int] | None, slots: list[int] | None):
@@ -31,21 +31,6 @@ def candidate_grid(cfg: MokConfig, comm_sms: list[int] | None, minibatches: list
         mbs = minibatches or sorted({base, 2 * base, 4 * base})
         for mb, s in itertools.product(mbs, ring):
             yield c, mb, s
-
-
-def _median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def tune(
@@ -95,7 +80,7 @@ def tune(
         try:
             run()
             kernel.check_last_error()
-            ms = _median_ms(run, iters, warmup)
+            ms = cuda_times_ms(run, iters, warmup)[0]
         except Exception as exc:  # noqa: BLE001 - a candidate the kernel rejects is skipped, not fatal
             log(f"  skip comm {c} mb {mb} slots {s}: {exc}")
             continue

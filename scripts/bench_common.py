@@ -1,30 +1,18 @@
-"""Helpers shared by scripts/bench_forward.py and scripts/bench_backward.py: CUDA-event timing, the
-synthetic MoE inputs, and the Megatron-Core baseline (alltoall dispatcher + SequentialMLP at EP = 1)."""
+"""Helpers shared by scripts/bench_forward.py and scripts/bench_backward.py: CUDA-event timing
+(megatron_mok.timing, also the tuner's), the synthetic MoE inputs, and the Megatron-Core baseline
+(alltoall dispatcher + SequentialMLP at EP = 1)."""
 
 from __future__ import annotations
 
 import os
-import statistics
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatron_mok.timing import cuda_times_ms as timeit  # noqa: E402,F401  (re-exported to the benches)
+
 PEAK = 760.0  # TFLOP/s: dense bf16 GEMM measured on the H200, the reference for "fraction of peak"
-
-
-def timeit(fn, iters: int, warmup: int) -> tuple[float, float]:
-    """(median, min) ms of fn() over iters calls, each between its own CUDA events, after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times), min(times)
 
 
 def make_inputs(H: int, F: int, K: int, L: int, T: int, seed: int = 0, grad: bool = False):
