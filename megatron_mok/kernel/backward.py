@@ -211,6 +211,29 @@ def _check_tensor(t, name, dtype, shape, device, contiguous):
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_expert(suffix: str, w1e, w2e, H: int, F: int, device, who: str = "mok_backward_emulated") -> None:
+    """One expert's weights: w1 [2F, H], w2 [H, F] bf16, both read in place by TMA."""
+    _check(w1e, f"w1{suffix}", torch.bfloat16, (2 * F, H), device, contiguous=False, who=who)
+    _check(w2e, f"w2{suffix}", torch.bfloat16, (H, F), device, contiguous=False, who=who)
+    for n, a in ((f"w1{suffix}", w1e), (f"w2{suffix}", w2e)):
+        if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
+            _fail(f"{n} needs unit inner stride, row stride % 8 == 0, 16-byte aligned start", who)
+
+
+def _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who: str = "mok_backward_emulated"):
+    """The launch settings both entry points take."""
+    if not isinstance(comm_sms, int) or comm_sms < 1:
+        _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}", who)
+    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
+        _fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}", who)
+    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
+        _fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}", who)
+    if not timeout_ms > 0:
+        _fail(f"timeout_ms must be > 0, got {timeout_ms!r}", who)
+    if wgrad not in ("mm", "grouped", "none"):
+        _fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}", who)
+
+
 def _u64(vals):
     return (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
 
@@ -361,21 +384,8 @@ def mok_backward_emulated(
         ):
             _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
         for e in range(L):
-            _check(w1[q][e], f"w1[{q}][{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False)
-            _check(w2[q][e], f"w2[{q}][{e}]", torch.bfloat16, (H, F), device, contiguous=False)
-            for n, a in ((f"w1[{q}][{e}]", w1[q][e]), (f"w2[{q}][{e}]", w2[q][e])):  # read in place by TMA
-                if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
-                    _fail(f"{n} needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
-    if not isinstance(comm_sms, int) or comm_sms < 1:
-        _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
-    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
-        _fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
-    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
-        _fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}")
-    if not timeout_ms > 0:
-        _fail(f"timeout_ms must be > 0, got {timeout_ms!r}")
-    if wgrad not in ("mm", "grouped", "none"):
-        _fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}")
+            _check_expert(f"[{q}][{e}]", w1[q][e], w2[q][e], H, F, device)
+    _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad)
     if debug_stall is not None and not (0 <= debug_stall[0] < R and 0 <= debug_stall[1] < ring_slots):
         _fail(f"debug_stall {debug_stall} out of range")
 
@@ -565,19 +575,8 @@ def mok_backward_rank(
     if H % 64 or F % 64:
         fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of 64")
     for e in range(L):
-        _check(w1[e], f"w1[{e}]", torch.bfloat16, (2 * F, H), device, contiguous=False, who=WHO)
-        _check(w2[e], f"w2[{e}]", torch.bfloat16, (H, F), device, contiguous=False, who=WHO)
-        for n, a in ((f"w1[{e}]", w1[e]), (f"w2[{e}]", w2[e])):  # read in place by TMA
-            if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16:
-                fail(f"{n} needs unit inner stride, row stride % 8 == 0, 16-byte aligned start")
-    if wgrad not in ("mm", "grouped", "none"):
-        fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}")
-    if not isinstance(comm_sms, int) or comm_sms < 1:
-        fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
-    if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
-        fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
-    if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:
-        fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}")
+        _check_expert(f"[{e}]", w1[e], w2[e], H, F, device, who=WHO)
+    _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who=WHO)
     cap = max(1, R * T * K)
     if saved_h is not None:
         if saved_h.dim() != 2 or saved_h.shape[0] < cap or saved_h.shape[1] != 2 * F:
@@ -686,10 +685,6 @@ def mok_backward_rank(
 
 def check_rank_backward_error(bufs, stream=None, *, L: int, timeout_ms: float) -> None:
     """Wait for the rank's last backward launch; raise MokKernelError if it recorded an error."""
-    if stream is not None:
-        stream.synchronize()
-    raise_recorded_error(
-        {bufs.bwd_err.device.index: bufs.bwd_err},
-        bufs.bwd_err.device,
-        lambda v: _error_message(v, bufs.world, L, timeout_ms),
-    )
+    from .peer_ep import raise_rank_error
+
+    raise_rank_error(bufs.bwd_err, stream, lambda v: _error_message(v, bufs.world, L, timeout_ms))

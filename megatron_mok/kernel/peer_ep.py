@@ -281,7 +281,12 @@ def mok_forward_rank(
 
 def check_rank_error(bufs: PeerBuffers, stream=None, *, L: int, timeout_ms: float) -> None:
     """Wait for the rank's last launch and raise MokKernelError if it recorded an error."""
+    raise_rank_error(bufs.err, stream, lambda v: _error_message(v, bufs.world, L, timeout_ms))
+
+
+def raise_rank_error(err: torch.Tensor, stream, message) -> None:
+    """Synchronise ``stream`` (if given), then raise MokKernelError(message(record)) if the per-rank
+    error record ``err`` (a launch's device int32[16]) holds an error. Shared by both kernels."""
     if stream is not None:
         stream.synchronize()
-    dev = bufs.err.device.index
-    raise_recorded_error({dev: bufs.err}, bufs.err.device, lambda v: _error_message(v, bufs.world, L, timeout_ms))
+    raise_recorded_error({err.device.index: err}, err.device, message)
