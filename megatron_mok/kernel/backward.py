@@ -587,7 +587,7 @@ def mok_backward_rank(
     bf = dict(dtype=torch.bfloat16, device=device)
     with torch.cuda.stream(stream):
         # the backward receives gradients in the combine bytes: keep the forward's rows apart first
-        lo, hi = bufs.combine.data_ptr(), bufs.combine.data_ptr() + bufs.combine.numel() * 2
+        lo, hi = bufs.grad_buf.data_ptr(), bufs.grad_buf.data_ptr() + bufs.grad_buf.numel() * 2
         if lo <= combine_buf.data_ptr() < hi:
             combine_buf = combine_buf.clone()
         combine_buf = combine_buf.contiguous()
