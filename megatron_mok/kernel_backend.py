@@ -3,7 +3,8 @@
 Forward: the fused MoK kernel (schedule, pull dispatch, expert FFN, push combine, weighted sum).
 Backward: the MoK backward kernel (schedule, pull reverse-combine of output gradients and input rows,
 router-weight gradient, fc1 recompute + SwiGLU backward + dgrad, push reverse-dispatch, top-k sum),
-then the expert weight gradients as per-expert fp32 GEMMs on the layout-order buffers it leaves.
+then the wgrad kernel (fp32 expert weight gradients from the layout-order buffers it leaves, same
+stream, no host sync; ``MOK_WGRAD=mm`` uses per-expert cuBLAS GEMMs instead, a diagnostic).
 ``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
 
 EP > 1 (one process per GPU, NCCL group): both kernels are launched per rank over torch symmetric
@@ -39,6 +40,10 @@ class KernelBackend:
         # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
         self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
         self.last_backward: str | None = None
+        # expert weight gradients after the dgrad kernel: our wgrad kernel, or cuBLAS per expert (diagnostic)
+        self.wgrad = os.environ.get("MOK_WGRAD", "kernel")
+        if self.wgrad not in ("kernel", "mm"):
+            raise ValueError(f"MOK_WGRAD must be 'kernel' or 'mm', got {self.wgrad!r}")
         self._peers = None  # kernel.PeerBuffers of EP > 1 (symmetric memory, per process group)
 
     def _peer_buffers(self, tp, T: int, H: int, K: int, device):
@@ -117,7 +122,7 @@ class KernelBackend:
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
-            wgrad="mm",
+            wgrad=self.wgrad,
             saved_h=state.get("kernel_saved_h"),
             check=True,
         )
@@ -210,7 +215,7 @@ class KernelBackend:
                 ring_slots=plan.ring.ring_slots,
                 minibatch_tokens=plan.ring.minibatch_tokens,
                 timeout_ms=self.timeout_ms,
-                wgrad="mm",
+                wgrad=self.wgrad,
                 saved_h=state.get("kernel_saved_h"),
             )
             self.last_backward = "kernel"

@@ -5,6 +5,7 @@ One process, same inputs for every method; CUDA events around one call, warmup, 
   MoK dgrad     : mok_backward_emulated(..., wgrad="none")   one kernel launch (+ a W2^T copy when recomputing)
   MoK + grouped : wgrad="grouped" (two torch._grouped_mm after the kernel, no host sync, bf16 wgrad out)
   MoK + mm      : wgrad="mm" (2 x L cuBLAS mm with fp32 output after the kernel, one host sync)
+  MoK + kernel  : wgrad="kernel" (default: the MoK wgrad kernel, fp32 out, no host sync)
   torch         : the reference backward math: permute + _grouped_mm (fc1 recompute, dA, dX, dW2, dW1)
                   + SwiGLU backward + unpermute/top-k sum + router grad
   mcore         : Megatron-Core MoEAlltoAllTokenDispatcher + SequentialMLP at EP=1, autograd backward
@@ -126,7 +127,7 @@ def main():
         for comm in configs:
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             try:
-                gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, wgrad="mm", **kw)
+                gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, **kw)
                 errs = dict(
                     grad_x=rel(gx[0], t_ref[0]),
                     grad_w=rel(gw[0], t_ref[1]),
@@ -142,6 +143,7 @@ def main():
                     ("none", "dgrad kernel only", dgrad_exec),
                     ("grouped", "+ grouped wgrad", None),
                     ("mm", "+ mm fp32 wgrad", None),
+                    ("kernel", "+ wgrad kernel", None),
                 ):
                     fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(
                         [go],
@@ -182,8 +184,8 @@ def main():
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
             _, kcomb, _ = fk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, **kw)
-            gx, gw, g1, g2 = bk.mok_backward_emulated(
-                [go], [x], [idx], [w], kcomb, w1l, w2l, wgrad="mm", saved_h=hbuf, **kw
+            gx, gw, g1, g2, bufs = bk.mok_backward_emulated(
+                [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, return_buffers=True, **kw
             )
             errs = dict(
                 grad_x=rel(gx[0], t_ref[0]),
@@ -195,7 +197,27 @@ def main():
                 f"MoK saved-h comm_sms={comm}: rel err vs torch " + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
                 flush=True,
             )
-            for mode, label, fl in (("none", "dgrad kernel only", 6.0 * rows * H * F), ("mm", "+ mm fp32 wgrad", None)):
+            # the expert weight gradients alone, on the buffers the dgrad kernel left (6 * rows * H * F FLOP)
+            wfl = 6.0 * rows * H * F
+            bb = [bufs[k][0] for k in ("tpe", "xl", "gyl", "dh", "act")]
+            g1m, g2m = bk.weight_grads(*bb, mode="mm")
+            print(
+                "  wgrad kernel vs mm: rel diff "
+                f"dW1 {rel(torch.stack(g1[0]), torch.stack(g1m)):.2e} dW2 {rel(torch.stack(g2[0]), torch.stack(g2m)):.2e}",
+                flush=True,
+            )
+            for mode in ("kernel", "mm", "grouped"):
+                ms, mn = timeit(lambda m=mode: bk.weight_grads(*bb, mode=m), args.iters, args.warmup)
+                print(
+                    f"  wgrad alone ({mode:7s}): {ms:8.3f} ms (min {mn:.3f})  {tf(wfl, ms):6.1f} TFLOP/s "
+                    f"({tf(wfl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})",
+                    flush=True,
+                )
+            for mode, label, fl in (
+                ("none", "dgrad kernel only", 6.0 * rows * H * F),
+                ("mm", "+ mm fp32 wgrad", None),
+                ("kernel", "+ wgrad kernel", None),
+            ):
                 fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(  # noqa: E731
                     [go], [x], [idx], [w], kcomb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, **kw
                 )
@@ -206,7 +228,7 @@ def main():
                 else:
                     extra = f"{tf(model_flops, ms):6.1f} model TFLOP/s ({tf(model_flops, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
                     if best is None or ms < best[0]:
-                        best = (ms, comm, "mm, saved h")
+                        best = (ms, comm, f"{mode}, saved h")
                 print(f"MoK saved-h comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
             # what W1^T / W2^T copies would cost per call (the wrapper made them before the kernel read W1 / W2
             # MN-major; the recompute path still makes W2^T)

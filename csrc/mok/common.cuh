@@ -54,6 +54,7 @@ enum Phase : int {
   kPhasePeerStart = 8,       // per-rank launch: waits for every peer's start signal (inputs published)
   kPhasePeerDone = 9,        // per-rank launch: waits for every peer's compute-done signal (pushes landed)
   kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
+  kPhaseWgrad = 11,          // wgrad: expert row counts inconsistent with the layout buffers
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 

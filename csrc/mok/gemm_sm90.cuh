@@ -1,5 +1,6 @@
 // Hopper GEMM building blocks for the compute role: TMA 2-D tile loads into SWIZZLE_128B smem,
-// WGMMA m64n256k16 (bf16 x bf16 -> fp32; A K-major, B K-major or MN-major in smem), mbarrier helpers.
+// WGMMA m64n256k16 (bf16 x bf16 -> fp32; A K-major or MN-major, B K-major or MN-major in smem),
+// mbarrier helpers.
 // Uses CuTe/CUTLASS arch-level atoms only.
 #pragma once
 #include "common.cuh"
@@ -50,6 +51,8 @@ using Wgmma256 = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA
                                                                 cute::SM90::GMMA::Major::K>;
 using Wgmma256BMn = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                    cute::SM90::GMMA::Major::MN>;
+using Wgmma256MnMn = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+                                                                    cute::SM90::GMMA::Major::MN>;
 
 template <size_t... I>
 __device__ __forceinline__ void wgmma256_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
@@ -69,6 +72,16 @@ __device__ __forceinline__ void wgmma256_bmn_impl(uint64_t da, uint64_t db, floa
 // as wgmma_64x256x16 with B MN-major (descriptor from make_smem_desc_sw128_mn)
 __device__ __forceinline__ void wgmma_64x256x16_bmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
   wgmma256_bmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
+}
+
+template <size_t... I>
+__device__ __forceinline__ void wgmma256_mnmn_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                                   std::index_sequence<I...>) {
+  Wgmma256MnMn::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+// as wgmma_64x256x16 with A and B both MN-major (reductions over the rows of row-major buffers: wgrad)
+__device__ __forceinline__ void wgmma_64x256x16_mnmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma256_mnmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
 }
 
 __device__ __forceinline__ void fence_acc(float* d) {

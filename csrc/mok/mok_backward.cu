@@ -1,19 +1,20 @@
 // MoK backward megakernel (BF16, emulated EP): schedule -> pull reverse-combine (x and w*grad_out rows)
 // -> dgrad (stage 1: fc1 recompute + fc2 dgrad + SwiGLU backward -> dH, act; stage 2: dX = dH @ W1)
 // -> push reverse-dispatch into the home ranks' grad_buf -> grad_x = sum_k grad_buf, plus the fused
-// router-weight gradient, all in ONE persistent cooperative launch. The expert weight gradients are a
-// separate step (host wrapper, megatron_mok/kernel/backward.py) on the layout-order buffers
-// xl / gyl / dh / act that this kernel writes.
+// router-weight gradient, all in ONE persistent cooperative launch. The expert weight gradients follow
+// on the same stream (mok_wgrad_launch: backward/wgrad.cuh, a persistent WGMMA kernel) from the
+// layout-order buffers xl / gyl / dh / act and the per-expert row counts that this kernel writes.
 //
 // Grid: R virtual ranks x ctas_per_rank CTAs (1 CTA/SM, 384 threads), first comm_sms CTAs of each
 // rank = comm role (pull, router grad), the rest = compute role (bwd_gemm.cuh); at the end every
 // CTA of rank q helps with grad_x of rank q's tokens.
 //
 // Host API (extern "C", ctypes): mok_bwd_workspace_bytes, mok_bwd_emulated_launch, mok_bwd_rank_launch,
-// mok_bwd_version.
+// mok_wgrad_workspace_bytes, mok_wgrad_launch, mok_bwd_version.
 #include "backward/bwd_comm.cuh"
 #include "backward/bwd_common.cuh"
 #include "backward/bwd_gemm.cuh"
+#include "backward/wgrad.cuh"
 #include "peer_sync.cuh"
 #include "schedule.cuh"
 #include "host_launch.h"
@@ -213,7 +214,7 @@ BwdWs plan(const MokBwdArgs* a) {
 
 extern "C" {
 
-const char* mok_bwd_version() { return "mok-backward-bf16-wgmma-1"; }
+const char* mok_bwd_version() { return "mok-backward-bf16-wgmma-2"; }
 
 long long mok_bwd_workspace_bytes(const MokBwdArgs* a) {
   if (!validate(a, nullptr, 0)) return -1;
@@ -418,6 +419,160 @@ int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf,
 int mok_bwd_rank_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
   if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
   return backward_launch(a, stream_ptr, errbuf, errlen);
+}
+
+}  // extern "C"
+
+// =================================================================================================
+// wgrad (backward/wgrad.cuh): dW1 = dH^T x, dW2 = gy^T act per local expert, after the dgrad launch
+// =================================================================================================
+extern "C" {
+
+struct MokWgradArgs {
+  int np, L, H, F;
+  int device;
+  int accumulate;                     // 1: add into the outputs (main_grad), 0: overwrite them
+  double timeout_ms;
+  long long cap;                      // rows of each layout-order buffer
+  const unsigned long long* tpe;      // host [np] device int32[L] (the dgrad launch's tokens per expert)
+  const unsigned long long* xl;       // host [np] [cap, H] bf16
+  const unsigned long long* gyl;      // host [np] [cap, H] bf16
+  const unsigned long long* dh;       // host [np] [cap, 2F] bf16
+  const unsigned long long* act;      // host [np] [cap, F] bf16
+  const unsigned long long* gw1;      // host [np*L] fp32 [2F, H], row stride gw1_ld
+  const long long* gw1_ld;
+  const unsigned long long* gw2;      // host [np*L] fp32 [H, F], row stride gw2_ld
+  const long long* gw2_ld;
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;             // device int32[8]: the dgrad launch's record (not cleared here)
+};
+
+}  // extern "C"
+
+namespace {
+
+struct WgradWs {
+  size_t tmaps, tpe, out1, out2, ticket, total;
+};
+
+WgradWs wgrad_plan(const MokWgradArgs* a) {
+  WgradWs w{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 128); return o; };
+  w.tmaps = take((size_t)4 * a->np * sizeof(CUtensorMap));
+  w.tpe = take((size_t)a->np * sizeof(void*));
+  w.out1 = take((size_t)a->np * a->L * sizeof(mok::bwd::WgradOut));
+  w.out2 = take((size_t)a->np * a->L * sizeof(mok::bwd::WgradOut));
+  w.ticket = take(64);
+  w.total = off;
+  return w;
+}
+
+bool wgrad_validate(const MokWgradArgs* a, char* eb, int el) {
+  if (a->np < 1 || a->np > MOK_MAX_RANKS) return !write_err(eb, el, "np=%d out of [1, %d]", a->np, MOK_MAX_RANKS);
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
+  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
+  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
+  if (a->cap < 1 || a->cap >= (1LL << 31)) return !write_err(eb, el, "cap=%lld out of [1, 2^31)", a->cap);
+  return true;
+}
+
+}  // namespace
+
+extern "C" {
+
+long long mok_wgrad_workspace_bytes(const MokWgradArgs* a) {
+  if (!wgrad_validate(a, nullptr, 0)) return -1;
+  return (long long)wgrad_plan(a).total;
+}
+
+int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (!wgrad_validate(a, errbuf, errlen)) return 1;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const WgradWs ws = wgrad_plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "wgrad workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  const int np = a->np, L = a->L, H = a->H, F = a->F;
+  StagingBuf* stg = nullptr;
+  if (const char* msg = acquire_staging(ws.ticket, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.ticket);
+  uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  const unsigned long long cap = (unsigned long long)a->cap;
+  const int** tpe = reinterpret_cast<const int**>(host + ws.tpe);
+  for (int p = 0; p < np; ++p) {
+    if (!a->tpe[p] || !a->xl[p] || !a->gyl[p] || !a->dh[p] || !a->act[p])
+      return write_err(errbuf, errlen, "wgrad: partition %d: a buffer pointer (tpe/xl/gyl/dh/act) is null", p);
+    CUtensorMap* m = &maps[4 * p];  // [64 cols x 64 rows] boxes: MN-major operands of a reduction over rows
+    if (!encode_2d(&m[0], reinterpret_cast<void*>(a->xl[p]), H, cap, H, 64, mok::kBK, errbuf, errlen, "wgrad xl") ||
+        !encode_2d(&m[1], reinterpret_cast<void*>(a->gyl[p]), H, cap, H, 64, mok::kBK, errbuf, errlen, "wgrad gyl") ||
+        !encode_2d(&m[2], reinterpret_cast<void*>(a->dh[p]), 2 * F, cap, 2 * F, 64, mok::kBK, errbuf, errlen,
+                   "wgrad dh") ||
+        !encode_2d(&m[3], reinterpret_cast<void*>(a->act[p]), F, cap, F, 64, mok::kBK, errbuf, errlen, "wgrad act"))
+      return 1;
+    tpe[p] = reinterpret_cast<const int*>(a->tpe[p]);
+  }
+  mok::bwd::WgradOut* o1 = reinterpret_cast<mok::bwd::WgradOut*>(host + ws.out1);
+  mok::bwd::WgradOut* o2 = reinterpret_cast<mok::bwd::WgradOut*>(host + ws.out2);
+  for (int g = 0; g < np * L; ++g) {
+    if (!a->gw1[g] || !a->gw2[g] || a->gw1[g] % 8 || a->gw2[g] % 8)
+      return write_err(errbuf, errlen, "wgrad: expert %d: output pointer null or not 8-byte aligned", g);
+    if (a->gw1_ld[g] < H || a->gw1_ld[g] % 2 || a->gw2_ld[g] < F || a->gw2_ld[g] % 2)
+      return write_err(errbuf, errlen, "wgrad: expert %d: output row strides %lld / %lld (need >= %d / %d, even)", g,
+                       a->gw1_ld[g], a->gw2_ld[g], H, F);
+    o1[g].ptr = reinterpret_cast<float*>(a->gw1[g]);
+    o1[g].ld = a->gw1_ld[g];
+    o2[g].ptr = reinterpret_cast<float*>(a->gw2[g]);
+    o2[g].ld = a->gw2_ld[g];
+  }
+
+  mok::bwd::WgradParams P{};
+  P.base.R = np;
+  P.base.L = L;
+  P.base.H = H;
+  P.base.F = F;
+  P.base.nparts = np;
+  P.base.stall_rank = P.base.stall_slot = -1;
+  P.base.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  P.base.err = reinterpret_cast<int*>(a->err);
+  P.np = np;
+  P.L = L;
+  P.H = H;
+  P.F = F;
+  P.accumulate = a->accumulate ? 1 : 0;
+  P.mt1 = (2 * F + mok::kBM - 1) / mok::kBM;
+  P.nt1 = (H + mok::kBN - 1) / mok::kBN;
+  P.mt2 = (H + mok::kBM - 1) / mok::kBM;
+  P.nt2 = (F + mok::kBN - 1) / mok::kBN;
+  const long long total = (long long)np * L * (P.mt1 * P.nt1 + P.mt2 * P.nt2);
+  if (total >= (1LL << 32)) return write_err(errbuf, errlen, "wgrad: %lld tiles overflow the ticket counter", total);
+  P.total = (unsigned)total;
+  P.cap = a->cap;
+  P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
+  P.tpe = reinterpret_cast<const int* const*>(wsp + ws.tpe);
+  P.out1 = reinterpret_cast<const mok::bwd::WgradOut*>(wsp + ws.out1);
+  P.out2 = reinterpret_cast<const mok::bwd::WgradOut*>(wsp + ws.out2);
+  P.ticket = reinterpret_cast<unsigned*>(wsp + ws.ticket);
+
+  const int smem = mok::bwd::wgrad_smem_bytes() + 1024;
+  static int cached_smem[64] = {0};
+  const int dslot = a->device & 63;
+  if (cached_smem[dslot] != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(mok::bwd::mok_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cached_smem[dslot] = smem;
+  }
+  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ticket, cudaMemcpyHostToDevice, stream));
+  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.ticket, 0, 64, stream));
+  const unsigned grid = (unsigned)std::min<long long>(num_sms, std::max<long long>(total, 1));
+  mok::bwd::mok_wgrad_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
 }
 
 }  // extern "C"

@@ -9,13 +9,15 @@ What runs where (see scripts/NOTES-backward.md):
   + TMA, the push reverse-dispatch of dX rows into the home ranks' ``grad_buf[t, k]``, the top-k sum
   ``grad_x[t] = sum_k grad_buf[t, k]`` and (fused) the router-weight gradient
   ``grad_w[t, k] = <grad_out[t], combine_buf[t, k]>``.
-* The expert weight gradients run right after, as separate launches on the layout-order buffers the
-  kernel leaves (``gy``, ``act``, ``dH``, ``x``): ``wgrad="mm"`` (default) one cuBLAS
-  ``torch.mm(..., out_dtype=float32)`` per expert (fp32 accumulation AND fp32 output; one host sync for
-  the expert offsets), ``wgrad="grouped"`` one ``torch._grouped_mm`` per weight (no host sync, but its
-  output is bf16-rounded), ``wgrad="none"`` skips them.
-* W2^T [F, H] and W1^T [H, 2F] (K-major B operands of the dgrad GEMMs) are materialised once per call
-  (``.t().contiguous()``).
+* The expert weight gradients run right after, on the same stream, from the layout-order buffers the
+  kernel leaves (``gy``, ``act``, ``dH``, ``x``) and its per-expert row counts:
+  ``wgrad="kernel"`` (default) our persistent WGMMA wgrad kernel (``csrc/mok/backward/wgrad.cuh``: fp32
+  accumulation and output, added straight into ``main_grad`` when given; no host sync, no transposes);
+  ``wgrad="mm"`` one cuBLAS ``torch.mm(..., out_dtype=float32)`` per expert (one host sync for the
+  expert offsets); ``wgrad="grouped"`` one ``torch._grouped_mm`` per weight (bf16-rounded output);
+  ``wgrad="none"`` skips them.
+* The dgrad kernel reads W1 and W2 as stored; only the recompute path's stage 1 reads a W2^T copy
+  materialised once per call (``.t().contiguous()``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MAIN_SOURCE = "mok_backward.cu"
 MOK_MAX_RANKS = 72
 MOK_MAX_LOCAL_EXPERTS = 512
 MOK_MAX_SLOTS = 64
+WGRAD_MODES = ("kernel", "mm", "grouped", "none")
 
 _PHASES = {
     1: "grid barrier (schedule)",
@@ -50,6 +53,7 @@ _PHASES = {
     8: "peer start signal (a peer rank has not launched this call)",
     9: "peer compute-done signal (a peer rank has not pushed all its input-row gradients)",
     10: "peer token count",
+    11: "wgrad (per-expert row counts do not fit the layout buffers: the dgrad launch did not finish)",
 }
 
 
@@ -158,6 +162,31 @@ class _Args(ctypes.Structure):
     ]
 
 
+class _WgradArgs(ctypes.Structure):
+    _fields_ = [
+        ("np", ctypes.c_int),
+        ("L", ctypes.c_int),
+        ("H", ctypes.c_int),
+        ("F", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("accumulate", ctypes.c_int),
+        ("timeout_ms", ctypes.c_double),
+        ("cap", ctypes.c_longlong),
+        ("tpe", ctypes.c_void_p),
+        ("xl", ctypes.c_void_p),
+        ("gyl", ctypes.c_void_p),
+        ("dh", ctypes.c_void_p),
+        ("act", ctypes.c_void_p),
+        ("gw1", ctypes.c_void_p),
+        ("gw1_ld", ctypes.c_void_p),
+        ("gw2", ctypes.c_void_p),
+        ("gw2_ld", ctypes.c_void_p),
+        ("workspace", ctypes.c_ulonglong),
+        ("workspace_bytes", ctypes.c_ulonglong),
+        ("err", ctypes.c_ulonglong),
+    ]
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _ws_cache: dict[int, torch.Tensor] = {}
@@ -175,6 +204,10 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_bwd_emulated_launch.restype = ctypes.c_int
         lib.mok_bwd_emulated_launch.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.mok_bwd_version.restype = ctypes.c_char_p
+        lib.mok_wgrad_workspace_bytes.restype = ctypes.c_longlong
+        lib.mok_wgrad_workspace_bytes.argtypes = [ctypes.POINTER(_WgradArgs)]
+        lib.mok_wgrad_launch.restype = ctypes.c_int
+        lib.mok_wgrad_launch.argtypes = [ctypes.POINTER(_WgradArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         _lib = lib
         return lib
 
@@ -230,8 +263,8 @@ def _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who
         _fail(f"minibatch_tokens must be an int >= 1, got {minibatch_tokens!r}", who)
     if not timeout_ms > 0:
         _fail(f"timeout_ms must be > 0, got {timeout_ms!r}", who)
-    if wgrad not in ("mm", "grouped", "none"):
-        _fail(f"wgrad must be 'mm', 'grouped' or 'none', got {wgrad!r}", who)
+    if wgrad not in WGRAD_MODES:
+        _fail(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}", who)
 
 
 def _u64(vals):
@@ -268,6 +301,17 @@ def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, 
     L = tpe.numel()
     H, F = gyl.shape[1], act.shape[1]
     dev = gyl.device
+    if mode == "kernel":
+        gw1s, gw2s = weight_grads_kernel(
+            [tpe],
+            [xl],
+            [gyl],
+            [dh],
+            [act],
+            main_grad_w1=None if main_grad_w1 is None else [main_grad_w1],
+            main_grad_w2=None if main_grad_w2 is None else [main_grad_w2],
+        )
+        return gw1s[0], gw2s[0]
     if mode == "grouped":
         offs = torch.cumsum(tpe, 0, dtype=torch.int32)
         nonempty = (tpe > 0).view(L, 1, 1)
@@ -290,7 +334,7 @@ def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, 
                 gw1.append(torch.zeros((2 * F, H), dtype=torch.float32, device=dev))
             a = b
     else:
-        raise ValueError(f"wgrad mode must be 'mm', 'grouped' or 'none', got {mode!r}")
+        raise ValueError(f"wgrad mode must be one of {WGRAD_MODES[:3]}, got {mode!r}")
     if main_grad_w1 is not None:
         for m, g in zip(main_grad_w1, gw1):
             m.add_(g)
@@ -299,6 +343,102 @@ def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, 
         for m, g in zip(main_grad_w2, gw2):
             m.add_(g)
         gw2 = list(main_grad_w2)
+    return gw1, gw2
+
+
+def weight_grads_kernel(
+    tpe,
+    xl,
+    gyl,
+    dh,
+    act,
+    *,
+    main_grad_w1=None,
+    main_grad_w2=None,
+    err: torch.Tensor | None = None,
+    timeout_ms: float = 10000.0,
+):
+    """Expert weight gradients of one or more owner ranks (partitions) in ONE launch of the wgrad kernel.
+
+    Per partition p: tpe[p] int32 [L] (rows per local expert, device), xl[p] / gyl[p] [cap, H], dh[p]
+    [cap, 2F], act[p] [cap, F] bf16 in layout order (experts back to back from row 0; rows past the
+    last expert are never read as data). Returns (grad_w1[p][e] fp32 [2F, H], grad_w2[p][e] fp32 [H, F]).
+    With main_grad_w1 / main_grad_w2 (per partition, lists of L fp32 tensors with unit inner stride) the
+    results are added into them (gradient-accumulation fusion) and those are returned. No host sync.
+    err: the int32 error record of the preceding dgrad launch (a failed launch makes this a no-op).
+    """
+    WHO = "weight_grads_kernel"
+
+    def fail(msg: str) -> None:
+        raise ValueError(f"{WHO}: {msg}")
+
+    parts = len(tpe)
+    if parts < 1 or not all(len(t) == parts for t in (xl, gyl, dh, act)):
+        fail("tpe / xl / gyl / dh / act must be lists with one entry per partition")
+    device = xl[0].device
+    L = tpe[0].numel()
+    cap, H = xl[0].shape
+    F = act[0].shape[1]
+    for p in range(parts):
+        _check(tpe[p], f"tpe[{p}]", torch.int32, (L,), device, who=WHO)
+        _check(xl[p], f"xl[{p}]", torch.bfloat16, (cap, H), device, who=WHO)
+        _check(gyl[p], f"gyl[{p}]", torch.bfloat16, (cap, H), device, who=WHO)
+        _check(dh[p], f"dh[{p}]", torch.bfloat16, (cap, 2 * F), device, who=WHO)
+        _check(act[p], f"act[{p}]", torch.bfloat16, (cap, F), device, who=WHO)
+    if (main_grad_w1 is None) != (main_grad_w2 is None):
+        fail("give both main_grad_w1 and main_grad_w2, or neither")
+    accumulate = main_grad_w1 is not None
+    if accumulate:
+        for name, mg, shape in (("main_grad_w1", main_grad_w1, (2 * F, H)), ("main_grad_w2", main_grad_w2, (H, F))):
+            if len(mg) != parts or any(len(m) != L for m in mg):
+                fail(f"{name} must hold {parts} list(s) of {L} tensors")
+            for p in range(parts):
+                for e, m in enumerate(mg[p]):
+                    _check(m, f"{name}[{p}][{e}]", torch.float32, shape, device, contiguous=False, who=WHO)
+                    if m.stride(1) != 1 or m.stride(0) % 2 or m.data_ptr() % 8:
+                        fail(f"{name}[{p}][{e}] needs unit inner stride, an even row stride, 8-byte alignment")
+        gw1, gw2 = [list(m) for m in main_grad_w1], [list(m) for m in main_grad_w2]
+    else:
+        gw1 = [list(torch.empty((L, 2 * F, H), dtype=torch.float32, device=device).unbind(0)) for _ in range(parts)]
+        gw2 = [list(torch.empty((L, H, F), dtype=torch.float32, device=device).unbind(0)) for _ in range(parts)]
+    lib = load_library()
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if err is None:
+        err = _err_cache.get(dev)
+        if err is None:
+            err = _err_cache[dev] = torch.zeros((16,), dtype=torch.int32, device=device)
+    a = _WgradArgs()
+    a.np, a.L, a.H, a.F = parts, L, H, F
+    a.device = dev
+    a.accumulate = 1 if accumulate else 0
+    a.timeout_ms = float(timeout_ms)
+    a.cap = cap
+    keep = []
+
+    def arr(vals, kind=_u64):
+        c = kind(vals)
+        keep.append(c)
+        return ctypes.cast(c, ctypes.c_void_p)
+
+    a.tpe = arr([t.data_ptr() for t in tpe])
+    a.xl, a.gyl = arr([t.data_ptr() for t in xl]), arr([t.data_ptr() for t in gyl])
+    a.dh, a.act = arr([t.data_ptr() for t in dh]), arr([t.data_ptr() for t in act])
+    a.gw1 = arr([m.data_ptr() for row in gw1 for m in row])
+    a.gw1_ld = arr([m.stride(0) for row in gw1 for m in row], _i64)
+    a.gw2 = arr([m.data_ptr() for row in gw2 for m in row])
+    a.gw2_ld = arr([m.stride(0) for row in gw2 for m in row], _i64)
+    nbytes = lib.mok_wgrad_workspace_bytes(ctypes.byref(a))
+    if nbytes < 0:
+        fail(f"sizes rejected by the library (L={L}, H={H}, F={F}, cap={cap})")
+    # per call (stream-ordered by the caching allocator), so launches on several streams never share it
+    ws = torch.empty((nbytes + 256,), dtype=torch.uint8, device=device)
+    a.workspace = (ws.data_ptr() + 255) // 256 * 256
+    a.workspace_bytes = nbytes
+    a.err = err.data_ptr()
+    ebuf = ctypes.create_string_buffer(1024)
+    stream = torch.cuda.current_stream(device)
+    if lib.mok_wgrad_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
+        raise MokKernelError(f"MoK wgrad launch failed: {ebuf.value.decode(errors='replace')}")
     return gw1, gw2
 
 
@@ -315,7 +455,7 @@ def mok_backward_emulated(
     ring_slots: int,
     minibatch_tokens: int,
     timeout_ms: float = 10000.0,
-    wgrad: str = "mm",
+    wgrad: str = "kernel",
     main_grad_w1=None,
     main_grad_w2=None,
     debug_stall: tuple[int, int] | None = None,
@@ -477,11 +617,15 @@ def mok_backward_emulated(
     # keep the transposed weights alive until the kernel has read them (stream-ordered free)
     for t in [t for row in w2t for t in row]:
         t.record_stream(stream)
+    gw1 = gw2 = None
+    if wgrad == "kernel":  # every partition in one launch, before the (synchronising) error check
+        gw1, gw2 = weight_grads_kernel(
+            tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=err, timeout_ms=timeout_ms
+        )
     if check:
         check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
 
-    gw1 = gw2 = None
-    if wgrad != "none":
+    if wgrad not in ("none", "kernel"):
         gw1, gw2 = [], []
         for q in range(R):
             a1, a2 = weight_grads(
@@ -518,7 +662,7 @@ def mok_backward_rank(
     ring_slots: int,
     minibatch_tokens: int,
     timeout_ms: float = 10000.0,
-    wgrad: str = "mm",
+    wgrad: str = "kernel",
     main_grad_w1=None,
     main_grad_w2=None,
     saved_h: torch.Tensor | None = None,
@@ -541,8 +685,9 @@ def mok_backward_rank(
     order (``mok_forward_rank(..., saved_h=...)``), or None to recompute. Returns (grad_x [T, H] bf16,
     grad_topk_weight [T, K] fp32, grad_w1 [L] fp32, grad_w2 [L] fp32; None with wgrad="none").
 
-    ``wgrad="mm"`` reads the per-expert row counts on the host (one sync after the launch); several ranks
-    driven from one process (tests) must use "none" / "grouped" or compute :func:`weight_grads` from
+    ``wgrad="kernel"`` (default) runs the wgrad kernel right after, without a host sync. ``wgrad="mm"``
+    reads the per-expert row counts on the host (one sync after the launch); several ranks driven from
+    one process (tests) must then use "kernel" / "none" / "grouped" or compute :func:`weight_grads` from
     ``return_buffers=True`` after every rank has launched.
 
     Memory: the owner-side layout-order buffers (x rows, scaled output-gradient rows, dH, act) hold
@@ -669,11 +814,25 @@ def mok_backward_rank(
     bufs.epoch = args.epoch
     for t in w2t:
         t.record_stream(stream)
+    gw1 = gw2 = None
+    if wgrad == "kernel":  # same stream, no host sync; skipped by the kernel if the dgrad launch failed
+        with torch.cuda.stream(stream):
+            g1, g2 = weight_grads_kernel(
+                [tpe],
+                [xl],
+                [gyl],
+                [dh],
+                [act],
+                main_grad_w1=None if main_grad_w1 is None else [main_grad_w1],
+                main_grad_w2=None if main_grad_w2 is None else [main_grad_w2],
+                err=bufs.bwd_err,
+                timeout_ms=timeout_ms,
+            )
+        gw1, gw2 = g1[0], g2[0]
     if check:
         check_rank_backward_error(bufs, stream, L=L, timeout_ms=timeout_ms)
 
-    gw1 = gw2 = None
-    if wgrad != "none":
+    if wgrad not in ("none", "kernel"):
         with torch.cuda.stream(stream):
             gw1, gw2 = weight_grads(
                 tpe, xl, gyl, dh, act, mode=wgrad, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2

@@ -28,6 +28,11 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
             f"{kernel} timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
             f"saw {seen} after {timeout_ms:g} ms (CTA {block})"
         )
+    if code == 4 and phase == 11:
+        return (
+            f"{kernel}: wgrad of rank {rank} expert {slot}: its rows end at {seen} but the layout buffers hold "
+            f"{expected} rows (tokens-per-expert counts not written by a finished dgrad launch?)"
+        )
     if code == 4:
         return (
             f"{kernel}: rank {extra} runs {seen} tokens but rank {rank} was launched for {expected}: every EP rank "

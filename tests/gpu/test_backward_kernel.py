@@ -94,7 +94,7 @@ def _case(
     minibatch=128,
     seed=0,
     idx_override=None,
-    wgrad="mm",
+    wgrad="kernel",
     chain_forward=False,
     saved_h=False,
 ):
@@ -223,8 +223,9 @@ def test_backward_single_slot_odd_minibatch(bk):
 
 
 @pytest.mark.gpu
-def test_backward_grouped_wgrad(bk):
-    _case(bk, 2, "skewed", tokens=[600, 500], wgrad="grouped", seed=9)
+@pytest.mark.parametrize("wgrad", ["grouped", "mm"])
+def test_backward_library_wgrad_modes(bk, wgrad):
+    _case(bk, 2, "skewed", tokens=[600, 500], wgrad=wgrad, seed=9)
 
 
 @pytest.mark.gpu
