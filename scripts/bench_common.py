@@ -10,7 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from megatron_mok.timing import cuda_times_ms as timeit  # noqa: E402,F401  (re-exported to the benches)
+from megatron_mok.timing import cuda_pipelined_ms as pipelined  # noqa: E402,F401  (re-exported to the benches)
+from megatron_mok.timing import cuda_times_ms as timeit  # noqa: E402,F401
 
 PEAK = 760.0  # TFLOP/s: dense bf16 GEMM measured on the H200, the reference for "fraction of peak"
 

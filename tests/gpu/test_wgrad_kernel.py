@@ -58,6 +58,7 @@ def _close(got, want, what):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cap_extra", [0, 100])  # 0: the last expert's tail block runs past the buffer (TMA zero fill)
 @pytest.mark.parametrize(
     "counts,H,F",
     [
@@ -66,8 +67,10 @@ def _close(got, want, what):
         ([0, 0, 0], 256, 128),  # no rows at all: zeros
     ],
 )
-def test_wgrad_kernel_matches_fp64(bk, counts, H, F):
-    parts = [_buffers(counts, H, F, cap_extra=100, seed=3), _buffers(counts[::-1], H, F, cap_extra=0, seed=4)]
+def test_wgrad_kernel_matches_fp64(bk, counts, H, F, cap_extra):
+    if sum(counts) + cap_extra == 0:
+        pytest.skip("empty buffers")
+    parts = [_buffers(counts, H, F, cap_extra, seed=3), _buffers(counts[::-1], H, F, cap_extra, seed=4)]
     gw1, gw2 = bk.weight_grads_kernel(*[[p[i] for p in parts] for i in range(5)])
     torch.cuda.synchronize()
     bk.check_last_error(torch.device("cuda"))
