@@ -64,17 +64,20 @@ def _symmetric_memory_available() -> bool:
 _KERNEL_BACKENDS: dict = {}
 
 
-def kernel_backend(comm_sms: int, timeout_ms: float, backward_comm_sms: int = 0):
+def kernel_backend(comm_sms: int, timeout_ms: float, backward_comm_sms: int = 0, owner_capacity_factor: float = 0.0):
     """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
     symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
     layer's forward and backward advance in the same order on all ranks."""
     from .kernel_backend import KernelBackend
 
-    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms))
+    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms), float(owner_capacity_factor))
     b = _KERNEL_BACKENDS.get(key)
     if b is None:
         b = _KERNEL_BACKENDS[key] = KernelBackend(
-            comm_sms=comm_sms, timeout_ms=timeout_ms, backward_comm_sms=backward_comm_sms
+            comm_sms=comm_sms,
+            timeout_ms=timeout_ms,
+            backward_comm_sms=backward_comm_sms,
+            owner_capacity_factor=owner_capacity_factor,
         )
     return b
 
@@ -87,6 +90,7 @@ def select_backend(
     comm_sms: int = 20,
     timeout_ms: float = 10000.0,
     backward_comm_sms: int = 0,
+    owner_capacity_factor: float = 0.0,
 ):
     want = requested_backend()
     if dtype != "bf16":
@@ -98,7 +102,7 @@ def select_backend(
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
-        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms)
+        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor)
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)

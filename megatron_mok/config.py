@@ -80,6 +80,11 @@ class KernelSpec:
     timeout_ms: float = 10000.0
     #: Keep fc1 output for backward (True) or recompute it from the saved dispatched rows.
     save_fc1_output: bool = True
+    #: EP > 1: rows an owner rank's row buffers hold (saved fc1 output, backward x / dY / dH / act rows),
+    #: as a multiple of its fair share T * top-k. 0 = the dropless worst case, EP * T * top-k (every
+    #: routed row of every rank on one owner). A routing that exceeds it is a clear kernel error, never
+    #: a silent drop; at EP 8 a factor of 2 needs a quarter of the worst case's memory.
+    owner_capacity_factor: float = 0.0
 
     @property
     def compute_sms(self) -> int:
@@ -241,6 +246,12 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
             raise bad(key, f"must be a positive power of two, got {v}")
     if spec.timeout_ms <= 0:
         raise bad("timeout_ms", f"must be positive, got {spec.timeout_ms}")
+    if spec.owner_capacity_factor != 0 and not spec.owner_capacity_factor >= 1.0:
+        raise bad(
+            "owner_capacity_factor",
+            f"must be 0 (worst case, EP x T x top-k rows) or >= 1.0 (x the fair share T x top-k), "
+            f"got {spec.owner_capacity_factor}",
+        )
     if (spec.dtype != "bf16") and model.hidden_size % 128:
         raise bad("dtype", f"{spec.dtype} block scales need hidden_size % 128 == 0, got {model.hidden_size}")
 

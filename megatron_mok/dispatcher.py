@@ -172,6 +172,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             comm_sms=k.comm_sms,
             timeout_ms=k.timeout_ms,
             backward_comm_sms=k.bwd_comm_sms,
+            owner_capacity_factor=k.owner_capacity_factor,
         )
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan

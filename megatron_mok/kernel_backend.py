@@ -15,6 +15,7 @@ group instead. Every EP rank must pass the same token count.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -32,10 +33,12 @@ class KernelBackend:
         timeout_ms: float = 10000.0,
         check: bool | str | None = None,
         backward_comm_sms: int = 0,
+        owner_capacity_factor: float = 0.0,
     ) -> None:
         self.comm_sms = comm_sms
         self.backward_comm_sms = backward_comm_sms or comm_sms  # the config resolves its default
         self.timeout_ms = timeout_ms
+        self.owner_capacity_factor = owner_capacity_factor  # config kernel.owner_capacity_factor (EP > 1)
         # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
         # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
         self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
@@ -61,6 +64,14 @@ class KernelBackend:
             self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device)
         return b
 
+    def owner_rows(self, world: int, T: int, K: int) -> int:
+        """Rows of an owner rank's row buffers at EP = world: every routed row (dropless worst case) or
+        ceil(owner_capacity_factor * T * K) when that is smaller."""
+        worst = max(1, world * T * K)
+        if self.owner_capacity_factor <= 0:
+            return worst
+        return max(1, min(worst, math.ceil(self.owner_capacity_factor * T * K)))
+
     def _forward_peer(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2):
         from .kernel import mok_forward_rank
 
@@ -69,11 +80,11 @@ class KernelBackend:
         K = topk_idx.shape[1]
         bufs = self._peer_buffers(tp, T, H, K, x.device)
         F = w2[0].shape[1]
-        # save-vs-recompute as at EP = 1; an owner may receive every routed row of every rank
+        # save-vs-recompute as at EP = 1; the owner-side row buffers hold owner_rows rows (a routing that
+        # sends this rank more is reported by the kernel: kernel.owner_capacity_factor)
+        owner_rows = self.owner_rows(tp.world_size, T, K)
         saved_h = (
-            torch.empty((max(1, tp.world_size * T * K), 2 * F), dtype=torch.bfloat16, device=x.device)
-            if plan.save_fc1_output
-            else None
+            torch.empty((owner_rows, 2 * F), dtype=torch.bfloat16, device=x.device) if plan.save_fc1_output else None
         )
         out, combine, _tpe = mok_forward_rank(
             bufs,
@@ -124,6 +135,7 @@ class KernelBackend:
             timeout_ms=self.timeout_ms,
             wgrad=self.wgrad,
             saved_h=state.get("kernel_saved_h"),
+            owner_rows=self.owner_rows(self._peers.world, T, K),
             check=True,
         )
         self.last_backward = "kernel (EP > 1, per-rank launch)"

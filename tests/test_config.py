@@ -74,6 +74,9 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
         ("kernel", "save_fc1_output", 1, "expected bool"),
         ("kernel", "comm_sms", True, "got bool"),
         ("kernel", "gemm_tile_n", 100, "power of two"),
+        ("kernel", "owner_capacity_factor", 0.5, "or >= 1.0"),
+        ("kernel", "owner_capacity_factor", -1, "or >= 1.0"),
+        ("kernel", "owner_capacity_factor", "2", "expected int or float"),
         ("model", "moe_router_topk", 9, "exceeds num_moe_experts"),
         ("model", "hidden_size", 0, "positive"),
     ],
@@ -159,3 +162,15 @@ def test_backward_comm_sms_default_and_explicit():
     assert parse_config(_with("kernel", backward_comm_sms=12)).kernel.bwd_comm_sms == 12
     assert parse_config(_with("kernel", comm_sms=100)).kernel.bwd_comm_sms == 131  # capped: one SM computes
     assert load_config("kimi-k2").kernel.bwd_comm_sms == 16
+
+
+def test_owner_capacity_factor_sizes_the_owner_row_buffers():
+    from megatron_mok.kernel_backend import KernelBackend
+
+    assert parse_config(GOOD).kernel.owner_capacity_factor == 0.0  # default: dropless worst case
+    assert parse_config(_with("kernel", owner_capacity_factor=2)).kernel.owner_capacity_factor == 2
+    T, K = 4096, 8
+    assert KernelBackend(owner_capacity_factor=0.0).owner_rows(8, T, K) == 8 * T * K
+    assert KernelBackend(owner_capacity_factor=2.0).owner_rows(8, T, K) == 2 * T * K
+    assert KernelBackend(owner_capacity_factor=1.25).owner_rows(8, 3, 3) == 12  # ceil(11.25)
+    assert KernelBackend(owner_capacity_factor=16.0).owner_rows(8, T, K) == 8 * T * K  # never above the worst case

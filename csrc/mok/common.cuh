@@ -42,7 +42,14 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one warp per chunk)
 
 // ---- error reporting ----------------------------------------------------------------------------
-enum ErrCode : int { kErrNone = 0, kErrTimeout = 1, kErrBadIndex = 2, kErrInternal = 3, kErrBadShape = 4 };
+enum ErrCode : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrBadIndex = 2,
+  kErrInternal = 3,
+  kErrBadShape = 4,
+  kErrCapacity = 5,  // the routing sends an owner more rows than its owner-side buffers hold
+};
 enum Phase : int {
   kPhaseGridBarrier = 1,
   kPhaseDispatchReady = 2,   // compute waits for dispatch of a ring slot
@@ -96,6 +103,7 @@ struct Params {
   int stall_rank, stall_slot;
   unsigned long long timeout_ns;
   long long layout_cap;               // rows per rank in layout buffer
+  long long owner_rows;               // rows an owner's row buffers hold (saved h; backward xl/gyl/dh/act)
   const RankTable* ranks;             // [R]
   const CUtensorMap* tmaps;           // see tmap_* helpers
   // Per-partition workspace ([nparts] leading dim, indexed by part(P, q) = q - rank0):

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   schedule_scan(B);
   if (!grid_barrier(B, 2, &s_flag)) return;
   schedule_place(B, reinterpret_cast<int*>(smem));
-  if (!grid_barrier(B, 3, &s_flag)) return;
+  if (!grid_barrier(B, 3, &s_flag) || cta_aborted(B, &s_flag)) return;  // incl. an owner over capacity
   if (threadIdx.x == 0) timeline_record(B, kTlSchedule, 0, t_entry, globaltimer_ns());
 
   const int q = B.rank0 + blockIdx.x / B.ctas_per_rank;
@@ -171,7 +171,9 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
     entries += a->T[r] * a->K;
   }
   if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
-  if (a->cap < std::max<long long>(entries, 1)) return !write_err(eb, el, "cap=%lld < entries %lld", a->cap, entries);
+  // cap: rows of each owner's layout-order buffers, a capacity (>= entries: dropless worst case); the
+  // kernel reports an owner that the routing sends more rows (kErrCapacity) before writing any
+  if (a->cap < 1) return !write_err(eb, el, "cap=%lld must be >= 1", a->cap);
   return true;
 }
 
@@ -354,6 +356,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   B.stall_rank = a->stall_rank; B.stall_slot = a->stall_slot;
   B.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
   B.layout_cap = a->cap;
+  B.owner_rows = a->cap;
   B.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);
   B.layout = reinterpret_cast<int2*>(wsp + ws.layout);
   B.local_rank = reinterpret_cast<int*>(wsp + ws.local_rank);

@@ -26,6 +26,7 @@
 #include "host_launch.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   schedule_scan(P);
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
-  if (!grid_barrier(P, 3, &s_flag)) return;
+  if (!grid_barrier(P, 3, &s_flag) || cta_aborted(P, &s_flag)) return;  // incl. an owner over capacity
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
   // ---- SM roles ----
@@ -243,13 +244,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (!validate(a, errbuf, errlen)) return 1;
   const int np = launch_parts(a);
   const int rank0 = a->rank >= 0 ? a->rank : 0;
-  if (a->saved_h) {  // an owner may receive every routed row: the buffer must hold them all
-    long long entries = 0;
-    for (int r = 0; r < a->R; ++r) entries += a->T[r] * a->K;
-    if (a->saved_h_rows < entries)
-      return write_err(errbuf, errlen, "saved_h buffer too small: %lld rows for up to %lld routed rows",
-                       a->saved_h_rows, entries);
-  }
+  // saved_h holds saved_h_rows rows per owner (a capacity: the kernel reports an owner routed more rows)
+  if (a->saved_h && a->saved_h_rows < 1)
+    return write_err(errbuf, errlen, "saved_h buffer needs >= 1 row, got %lld", a->saved_h_rows);
   if (a->rank >= 0) {
     if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
     if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
@@ -353,6 +350,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.stall_rank = a->stall_rank; P.stall_slot = a->stall_slot;
   P.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
   P.layout_cap = ws.layout_cap;
+  P.owner_rows = a->saved_h ? a->saved_h_rows : LLONG_MAX;  // without saved h no row buffer is owner-sized
   P.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);
   P.tmaps = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
   P.ring = reinterpret_cast<__nv_bfloat16*>(wsp + ws.ring);

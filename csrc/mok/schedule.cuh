@@ -8,6 +8,8 @@
 //      (src rank, token)), giving each chunk's base inside the expert; expert totals.
 //   C  every CTA derives the expert offsets of every owner (smem), then writes the layout rows of the
 //      owners that run in this launch (all of them in emulated EP, its own rank in a per-rank launch).
+//      An owner whose total exceeds P.owner_rows (its row buffers' capacity) is recorded as kErrCapacity;
+//      the kernels check for it after the following grid barrier, before any row buffer is written.
 // A per-rank launch reads every rank's topk_idx through peer pointers and repeats A/B for all ranks:
 // the owner needs every source's routing to know what to pull, and it costs T*K*4 bytes per peer.
 #pragma once
@@ -112,6 +114,9 @@ __device__ void schedule_place(const Params& P, int* s_start) {
       run += tot;
     }
     if (mine) P.expert_off[part(P, q) * (P.L + 1) + P.L] = run;
+    // every launch sees every owner's total (all ranks' routing is read), so every rank reports the
+    // same overflow and leaves after the next grid barrier: no rank waits for a peer that left
+    if (blockIdx.x == 0 && run > P.owner_rows) record_error(P, kErrCapacity, q, -1, kPhaseSchedule, P.owner_rows, run, 0);
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
@@ -130,7 +135,7 @@ __device__ void schedule_place(const Params& P, int* s_start) {
       if (!in_launch(P, q)) continue;  // another launch lays out its own experts
       const long long pos = (long long)s_start[ex] + P.chunk_counts[(long long)ex * P.num_chunks + g] +
                             P.local_rank[rt.entry_base + ent];
-      P.layout[(long long)part(P, q) * P.layout_cap + pos] = make_int2(r, ent);
+      if (pos < P.layout_cap) P.layout[(long long)part(P, q) * P.layout_cap + pos] = make_int2(r, ent);
     }
   }
 }

@@ -91,4 +91,12 @@ __device__ __forceinline__ bool grid_barrier(const Params& P, int nth, int* s_fl
   return *s_flag != 0;
 }
 
+// One verdict per CTA (thread 0 reads the error record, everyone follows), so a CTA never half-exits.
+__device__ __forceinline__ bool cta_aborted(const Params& P, int* s_flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) *s_flag = aborted(P) ? 1 : 0;
+  __syncthreads();
+  return *s_flag != 0;
+}
+
 }  // namespace mok

@@ -666,6 +666,7 @@ def mok_backward_rank(
     main_grad_w1=None,
     main_grad_w2=None,
     saved_h: torch.Tensor | None = None,
+    owner_rows: int = 0,
     ctas: int = 0,
     stream: torch.cuda.Stream | None = None,
     check: bool = True,
@@ -691,8 +692,9 @@ def mok_backward_rank(
     ``return_buffers=True`` after every rank has launched.
 
     Memory: the owner-side layout-order buffers (x rows, scaled output-gradient rows, dH, act) hold
-    world * T * K rows, the worst case of every routed row landing on this rank (no host sync to learn
-    the real count).
+    ``owner_rows`` rows; 0 = world * T * K, the worst case of every routed row landing on this rank (no
+    host sync to learn the real count). With fewer, a routing that sends this rank more rows is reported
+    by the kernel (MokKernelError naming the rank and both counts) before any row is written.
     """
     WHO = "mok_backward_rank"
 
@@ -722,10 +724,12 @@ def mok_backward_rank(
     for e in range(L):
         _check_expert(f"[{e}]", w1[e], w2[e], H, F, device, who=WHO)
     _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who=WHO)
-    cap = max(1, R * T * K)
+    if not isinstance(owner_rows, int) or owner_rows < 0:
+        fail(f"owner_rows must be an int >= 0 (0: world * T * K), got {owner_rows!r}")
+    cap = owner_rows or max(1, R * T * K)
     if saved_h is not None:
         if saved_h.dim() != 2 or saved_h.shape[0] < cap or saved_h.shape[1] != 2 * F:
-            fail(f"saved_h must be [>= {cap}, {2 * F}] (every routed row of every rank may land here)")
+            fail(f"saved_h must be [>= {cap}, {2 * F}] (owner_rows rows: the forward's saved fc1 output)")
         _check(saved_h, "saved_h", torch.bfloat16, tuple(saved_h.shape), device, who=WHO)
 
     stream = stream or torch.cuda.current_stream(device)

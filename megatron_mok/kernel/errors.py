@@ -28,6 +28,12 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
             f"{kernel} timed out: rank {rank} slot {slot} waiting for {pname}: expected counter >= {expected}, "
             f"saw {seen} after {timeout_ms:g} ms (CTA {block})"
         )
+    if code == 5:
+        return (
+            f"{kernel}: the routing sends {seen} rows to rank {rank}, but its owner-side row buffers hold {expected} "
+            "(kernel.owner_capacity_factor x T x top-k): raise the factor, or set 0 for the dropless worst case "
+            "(EP x T x top-k rows)"
+        )
     if code == 4 and phase == 11:
         return (
             f"{kernel}: wgrad of rank {rank} expert {slot}: its rows end at {seen} but the layout buffers hold "

@@ -168,8 +168,10 @@ def mok_forward_rank(
     w1[e] [2F, H] / w2[e] [H, F] bf16 for this rank's L experts. ``ctas``: SMs for this launch (0 = all;
     several ranks sharing one GPU in tests split it). Returns (out [T, H] bf16, combine [T, K, H] bf16
     -- a view of the symmetric buffer, overwritten by the next call --, tokens_per_expert [L] int32).
-    saved_h [>= world * T * K, 2F] bf16 (optional): this rank's fc1 output h = [gate | up] lands there in
-    layout order, for ``mok_backward_rank(..., saved_h=...)`` (no fc1 recompute in the backward).
+    saved_h [rows, 2F] bf16 (optional): this rank's fc1 output h = [gate | up] lands there in layout
+    order, for ``mok_backward_rank(..., saved_h=...)`` (no fc1 recompute in the backward). Its rows are
+    the owner capacity: world * T * K never overflows; with fewer, a routing that sends this rank more
+    rows is reported by the kernel (every rank sees it and leaves) before any row is written.
     """
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -241,10 +243,11 @@ def mok_forward_rank(
     args.w2_ld = arr([t.stride(0) for t in w2], ctypes.c_longlong)
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if saved_h is not None:
-        rows = R * T * K
         _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)
-        if saved_h.shape[0] < rows or saved_h.shape[1] != 2 * F or not saved_h.is_contiguous():
-            _fail(f"saved_h must be contiguous [>= {rows}, {2 * F}], got {tuple(saved_h.shape)}")
+        if saved_h.shape[0] < 1 or saved_h.shape[1] != 2 * F or not saved_h.is_contiguous():
+            _fail(
+                f"saved_h must be contiguous [rows >= 1, {2 * F}] (rows = owner capacity), got {tuple(saved_h.shape)}"
+            )
         args.saved_h = arr(own_only(saved_h.data_ptr()))
         args.saved_h_rows = int(saved_h.shape[0])
     args.rank = rank

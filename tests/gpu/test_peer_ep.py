@@ -280,6 +280,73 @@ def test_backward_rank_bad_inputs_are_clear_errors(kernel):
         mok_backward_rank(bufs[0], x2, x2, idx, w, comb, w1, w2, **kw)
 
 
+def test_owner_capacity_overflow_is_reported_by_every_rank(kernel):
+    """Owner-side row buffers smaller than the routing needs (kernel.owner_capacity_factor): every rank's
+    forward and backward report the overflowing owner and both counts; nothing waits or writes past."""
+    from megatron_mok.kernel import MokKernelError
+    from megatron_mok.kernel.backward import check_rank_backward_error
+    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+
+    R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
+    bufs = PeerBuffers.on_one_gpu(R, T, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "one", seed=21)  # every slot -> expert 2 (rank 1)
+    cap = T * K  # factor 1.0; rank 1 is sent R * T * K rows
+    dev = torch.device("cuda")
+    # a guard row past the capacity: the kernel must not write it
+    hs = [torch.full((cap + 1, 2 * F), 7.0, dtype=torch.bfloat16, device=dev) for _ in range(R)]
+    views = [h[:cap] for h in hs]
+    cfg = dict(comm_sms=1, ring_slots=2, minibatch_tokens=128, timeout_ms=2000.0)
+    _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=views, **cfg)
+    want = rf"sends {R * T * K} rows to rank 1, but its owner-side row buffers hold {cap}"
+    for r in range(R):
+        with pytest.raises(MokKernelError, match=want):
+            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=2000.0)
+    torch.cuda.synchronize()
+    assert all(bool((h[cap:] == 7.0).all()) for h in hs), "wrote past the owner capacity"
+    comb = [torch.zeros((T, K, H), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+    _backward_all(bufs, x, x, idx, wts, comb, w1, w2, streams, wgrad="none", owner_rows=cap, **cfg)
+    for r in range(R):
+        with pytest.raises(MokKernelError, match=want):
+            check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=2000.0)
+
+
+def test_owner_capacity_factor_that_fits_gives_the_same_bits(kernel):
+    """Row buffers of 1.5 x the fair share instead of the worst case: same results as the emulated run."""
+    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
+    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+
+    R, L, H, F, K, T = 4, 2, 256, 128, 4, 512
+    cap = int(1.5 * T * K)
+    bufs = PeerBuffers.on_one_gpu(R, T, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    dev = torch.device("cuda")
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "uniform", seed=22)
+    go = [torch.randn((T, H), device=dev).bfloat16() for _ in range(R)]
+    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
+    hs = [torch.empty((cap, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+    fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=hs, **cfg)
+    for r in range(R):
+        check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+    torch.cuda.synchronize()
+    comb = [fwd[r][1].clone() for r in range(R)]
+    h_emu = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+    emu_out, _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
+    for r in range(R):
+        assert torch.equal(fwd[r][0], emu_out[r]), f"rank {r} forward differs with a capacity factor"
+    res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=hs, owner_rows=cap, **cfg)
+    for r in range(R):
+        check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+    torch.cuda.synchronize()
+    ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, **cfg)
+    for r in range(R):
+        gx, gw, g1, g2 = res[r]
+        assert torch.equal(gx, ref[0][r]) and torch.equal(gw, ref[1][r]), f"rank {r} input / router grads differ"
+        for e in range(L):
+            torch.testing.assert_close(g1[e], ref[2][r][e], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g2[e], ref[3][r][e], rtol=1e-5, atol=1e-5)
+
+
 def mok_forward_emulated_all(x, idx, wts, w1, w2):
     import megatron_mok.kernel as k
 
