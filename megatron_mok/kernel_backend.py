@@ -26,6 +26,9 @@ from .reference import MokPlan, mok_backward, pull_into
 
 class KernelBackend:
     name = "kernel"
+    #: backward(..., main_grads=(fc1 list, fc2 list)) adds the expert weight gradients straight into
+    #: Megatron's fp32 main_grad (gradient-accumulation fusion) inside the wgrad kernel
+    accumulates_main_grad = True
 
     def __init__(
         self,
@@ -113,12 +116,13 @@ class KernelBackend:
         }
         return out, state
 
-    def _backward_peer(self, plan: MokPlan, state, grad_out, w1, w2):
+    def _backward_peer(self, plan: MokPlan, state, grad_out, w1, w2, mg1=None, mg2=None):
         """EP > 1: the backward kernel launched per rank over the same symmetric buffers."""
         from .kernel.backward import is_available, mok_backward_rank
 
         if os.environ.get("MOK_BACKWARD", "kernel") == "reference" or not is_available():
-            return self._backward_peer_reference(plan, state, grad_out, w1, w2)
+            gx, gw, gw1, gw2 = self._backward_peer_reference(plan, state, grad_out, w1, w2)
+            return _add_into(mg1, mg2, gx, gw, gw1, gw2)
         T, K, H = state["shape"]
         gx, gw, gw1, gw2 = mok_backward_rank(
             self._peers,
@@ -136,6 +140,8 @@ class KernelBackend:
             wgrad=self.wgrad,
             saved_h=state.get("kernel_saved_h"),
             owner_rows=self.owner_rows(self._peers.world, T, K),
+            main_grad_w1=mg1,
+            main_grad_w2=mg2,
             check=True,
         )
         self.last_backward = "kernel (EP > 1, per-rank launch)"
@@ -205,12 +211,17 @@ class KernelBackend:
         }
         return out[0], state
 
-    def backward(self, plan, state, grad_out, w1, w2):
+    def backward(self, plan, state, grad_out, w1, w2, main_grads=None):
+        """main_grads: (fc1 main_grads, fc2 main_grads) fp32 to add the weight gradients into (then
+        those are returned as the weight gradients), or None."""
         from . import kernel
 
         kernel.check_pending_errors(wait=True)  # the forward's error record, before using its output
+        if main_grads is not None and (self.wgrad != "kernel" or os.environ.get("MOK_BACKWARD") == "reference"):
+            return _add_into(*main_grads, *self.backward(plan, state, grad_out, w1, w2))
+        mg1, mg2 = main_grads if main_grads is not None else (None, None)
         if state.get("peer"):
-            return self._backward_peer(plan, state, grad_out, w1, w2)
+            return self._backward_peer(plan, state, grad_out, w1, w2, mg1, mg2)
         from .kernel import backward as bwd
 
         if os.environ.get("MOK_BACKWARD", "kernel") != "reference" and bwd.is_available():
@@ -229,6 +240,8 @@ class KernelBackend:
                 timeout_ms=self.timeout_ms,
                 wgrad=self.wgrad,
                 saved_h=state.get("kernel_saved_h"),
+                main_grad_w1=None if mg1 is None else [list(mg1)],
+                main_grad_w2=None if mg2 is None else [list(mg2)],
             )
             self.last_backward = "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]
@@ -241,4 +254,14 @@ class KernelBackend:
         state["saved_x"] = state.pop("x")[layout.src_token]
         state["rounds"] = plan.stats["minibatches"]
         self.last_backward = "reference"
-        return mok_backward(plan, state, grad_out, w1, w2)
+        return _add_into(mg1, mg2, *mok_backward(plan, state, grad_out, w1, w2))
+
+
+def _add_into(mg1, mg2, gx, gw, gw1, gw2):
+    """Fallback paths when main_grads were requested: add the returned weight gradients into them."""
+    if mg1 is None:
+        return gx, gw, gw1, gw2
+    for mg, gs in ((mg1, gw1), (mg2, gw2)):
+        for m, g in zip(mg, gs):
+            m.add_(g.to(m.dtype))
+    return gx, gw, list(mg1), list(mg2)

@@ -345,10 +345,21 @@ class MokMoEFunction(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         weights = ctx.saved_tensors
         w1, w2 = list(weights[: ctx.num_w1]), list(weights[ctx.num_w1 :])
-        gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, ctx.state, grad_out, w1, w2)
-        ctx.state = None
         fuse = ctx.plan.fuse_wgrad_into_main_grad
-        wgrads = [weight_grad_for_autograd(p, g, fuse) for p, g in zip(ctx.params, [*gw1, *gw2])]
+        mains = [getattr(p, "main_grad", None) for p in ctx.params] if fuse else []
+        in_kernel = (
+            fuse
+            and getattr(ctx.backend, "accumulates_main_grad", False)
+            and all(m is not None and m.dtype == torch.float32 for m in mains)
+        )
+        if in_kernel:  # the backend's wgrad adds straight into main_grad (no fp32 temporaries, no add pass)
+            gx, gw, gw1, gw2 = ctx.backend.backward(
+                ctx.plan, ctx.state, grad_out, w1, w2, main_grads=(mains[: ctx.num_w1], mains[ctx.num_w1 :])
+            )
+        else:
+            gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, ctx.state, grad_out, w1, w2)
+        ctx.state = None
+        wgrads = [weight_grad_for_autograd(p, g, fuse, added=in_kernel) for p, g in zip(ctx.params, [*gw1, *gw2])]
         ctx.params = None
         return (gx, None, gw.to(ctx.topk_w_dtype), None, None, None, *wgrads)
 
@@ -365,17 +376,19 @@ class ReferenceBackend:
         return mok_backward(plan, state, grad_out, w1, w2)
 
 
-def weight_grad_for_autograd(weight: torch.Tensor, grad: torch.Tensor, fuse_into_main_grad: bool):
+def weight_grad_for_autograd(weight: torch.Tensor, grad: torch.Tensor, fuse_into_main_grad: bool, added: bool = False):
     """What the autograd node returns for an expert weight.
 
     With Megatron's gradient-accumulation fusion the gradient is added to ``weight.main_grad``
-    (fp32) here and, like Megatron's own linear layers, a dummy tensor is returned when the
-    parameter carries ``grad_added_to_main_grad`` (so DDP's hooks still fire on the main thread).
+    (fp32) here (``added``: the backend's wgrad already added it there) and, like Megatron's own
+    linear layers, a dummy tensor is returned when the parameter carries ``grad_added_to_main_grad``
+    (so DDP's hooks still fire on the main thread).
     """
     main_grad = getattr(weight, "main_grad", None) if fuse_into_main_grad else None
     if main_grad is None:
         return grad.to(weight.dtype)
-    main_grad.add_(grad.to(main_grad.dtype))
+    if not added:
+        main_grad.add_(grad.to(main_grad.dtype))
     if hasattr(weight, "grad_added_to_main_grad"):
         weight.grad_added_to_main_grad = True
         if getattr(weight, "zero_out_wgrad", False):

@@ -66,6 +66,51 @@ def test_kernel_equals_reference_emulated_ep(R, kind):
         torch.testing.assert_close(out[r].float(), want[r].float(), **TOL, msg=lambda m, r=r: f"rank {r}: {m}")
 
 
+@pytest.mark.parametrize("save_fc1_output", [True, False])
+def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output):
+    """Gradient-accumulation fusion on the kernel backend: the wgrad kernel adds the expert weight
+    gradients straight into fp32 main_grad (on top of what is there); autograd gets Megatron's dummy."""
+    _kernel_or_skip()
+    from routings import make_topk
+
+    from megatron_mok.backend import kernel_backend
+    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.transport import run_emulated
+
+    g = torch.Generator().manual_seed(5)
+    L, H, F, K, T = 4, 512, 256, 4, 700
+    dev = torch.device("cuda")
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    idx = make_topk("skewed", T, L, K, g).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)]
+    w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
+    go = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    backend = kernel_backend(comm_sms=2, timeout_ms=5000.0)
+    ring = RingSpec(minibatch_tokens=256, ring_slots=2)
+
+    def run(fuse):
+        def body(tp):
+            ps = [t.clone().requires_grad_() for t in (*w1, *w2)]
+            for p in ps:
+                p.main_grad = torch.full(p.shape, 0.5, dtype=torch.float32, device=dev)
+                p.grad_added_to_main_grad = False
+            plan = MokPlan(tp, L, ring, save_fc1_output=save_fc1_output, fuse_wgrad_into_main_grad=fuse)
+            out = mok_moe(x, idx, w, ps[:L], ps[L:], plan, backend)
+            out.backward(go)
+            return [(p.grad, p.main_grad, p.grad_added_to_main_grad) for p in ps]
+
+        return run_emulated(1, body)[0]
+
+    plain, fused = run(False), run(True)
+    assert backend.last_backward == "kernel"
+    for (gp, mp, ap), (_, mf, af) in zip(plain, fused):
+        assert not ap and torch.equal(mp, torch.full_like(mp, 0.5))
+        assert af, "grad_added_to_main_grad not set"
+        got, want = mf - 0.5, gp.float()
+        assert (got - want).norm() <= 1e-2 * want.norm(), "main_grad != 0.5 + the unfused weight gradient"
+
+
 def _init_nccl_single():
     import torch.distributed as dist
     from megatron.core import parallel_state
