@@ -142,7 +142,7 @@ class KernelBackend:
             owner_rows=self.owner_rows(self._peers.world, T, K),
             main_grad_w1=mg1,
             main_grad_w2=mg2,
-            check=True,
+            check=self.check,
         )
         self.last_backward = "kernel (EP > 1, per-rank launch)"
         return gx, gw, gw1, gw2
@@ -216,7 +216,9 @@ class KernelBackend:
         those are returned as the weight gradients), or None."""
         from . import kernel
 
-        kernel.check_pending_errors(wait=True)  # the forward's error record, before using its output
+        # finished launches' error records (forward and earlier backwards), without waiting: the host
+        # keeps queueing ahead; a failed launch surfaces at the latest at the next MoK call
+        kernel.check_pending_errors()
         if main_grads is not None and (self.wgrad != "kernel" or os.environ.get("MOK_BACKWARD") == "reference"):
             return _add_into(*main_grads, *self.backward(plan, state, grad_out, w1, w2))
         mg1, mg2 = main_grads if main_grads is not None else (None, None)
@@ -242,6 +244,7 @@ class KernelBackend:
                 saved_h=state.get("kernel_saved_h"),
                 main_grad_w1=None if mg1 is None else [list(mg1)],
                 main_grad_w2=None if mg2 is None else [list(mg2)],
+                check=self.check,
             )
             self.last_backward = "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]

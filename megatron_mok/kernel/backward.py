@@ -33,6 +33,7 @@ import torch
 
 from . import build as _build
 from .availability import KernelAvailability
+from .emulated import _lazy_checker
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 LIB_NAME = "libmok_backward"
@@ -460,7 +461,7 @@ def mok_backward_emulated(
     main_grad_w2=None,
     debug_stall: tuple[int, int] | None = None,
     ctas_per_rank: int = 0,
-    check: bool = True,
+    check: bool | str = True,
     return_buffers: bool = False,
     saved_h=None,
     timeline=None,
@@ -622,7 +623,11 @@ def mok_backward_emulated(
         gw1, gw2 = weight_grads_kernel(
             tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=err, timeout_ms=timeout_ms
         )
-    if check:
+    if check == "lazy":  # no host sync: the record is read asynchronously (kernel.check_pending_errors)
+        _lazy_checker(dev).after_launch(
+            err, stream, R=R, L=L, timeout_ms=timeout_ms, message=lambda v: _error_message(v, R, L, timeout_ms)
+        )
+    elif check:
         check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
 
     if wgrad not in ("none", "kernel"):
@@ -669,7 +674,7 @@ def mok_backward_rank(
     owner_rows: int = 0,
     ctas: int = 0,
     stream: torch.cuda.Stream | None = None,
-    check: bool = True,
+    check: bool | str = True,
     timeline=None,
     return_buffers: bool = False,
 ):
@@ -833,7 +838,16 @@ def mok_backward_rank(
                 timeout_ms=timeout_ms,
             )
         gw1, gw2 = g1[0], g2[0]
-    if check:
+    if check == "lazy":
+        _lazy_checker(args.device).after_launch(
+            bufs.bwd_err,
+            stream,
+            R=R,
+            L=L,
+            timeout_ms=timeout_ms,
+            message=lambda v: _error_message(v, R, L, timeout_ms),
+        )
+    elif check:
         check_rank_backward_error(bufs, stream, L=L, timeout_ms=timeout_ms)
 
     if wgrad not in ("none", "kernel"):

@@ -335,7 +335,8 @@ class _LazyErrorChecker:
         self.pending: list[tuple[int, torch.cuda.Event, tuple[int, int, float]]] = []
         self.next = 0
 
-    def after_launch(self, err: torch.Tensor, stream, *, R: int, L: int, timeout_ms: float) -> None:
+    def after_launch(self, err: torch.Tensor, stream, *, R: int, L: int, timeout_ms: float, message=None) -> None:
+        """message(record) -> text: the launching kernel's wording (default: the forward kernel's)."""
         self.poll()
         if len(self.pending) >= self.SLOTS:  # never overwrite an unread record
             self.drain()
@@ -345,20 +346,21 @@ class _LazyErrorChecker:
             self.host[slot].copy_(err, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        self.pending.append((slot, ev, (R, L, timeout_ms)))
+        fmt = message or (lambda vals, meta=(R, L, timeout_ms): _error_message(vals, *meta))
+        self.pending.append((slot, ev, fmt))
 
     def poll(self, wait: bool = False) -> None:
         still = []
         error = None
-        for slot, ev, meta in self.pending:
+        for slot, ev, fmt in self.pending:
             if wait:
                 ev.synchronize()
             if not ev.query():
-                still.append((slot, ev, meta))
+                still.append((slot, ev, fmt))
                 continue
             vals = self.host[slot].tolist()
             if vals[0] != 0 and error is None:
-                error = _error_message(vals, *meta)
+                error = fmt(vals)
         self.pending = still
         if error is not None:
             raise MokKernelError(error)

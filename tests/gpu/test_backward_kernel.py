@@ -306,6 +306,28 @@ def test_backward_stall_times_out_and_recovers(bk):
         )
     # the next normal call works (state is re-zeroed per launch)
     _case(bk, 2, "random", tokens=[300, 200], seed=23)
+    # lazy check (the layer's default): the call returns without a host sync, the record is read later
+    from megatron_mok import kernel
+
+    kernel.check_pending_errors(wait=True)
+    bk.mok_backward_emulated(
+        gos,
+        xs,
+        idx,
+        ws,
+        comb,
+        w1,
+        w2,
+        comm_sms=2,
+        ring_slots=8,
+        minibatch_tokens=128,
+        timeout_ms=300.0,
+        debug_stall=(1, 1),
+        check="lazy",
+    )
+    with pytest.raises(bk.MokKernelError, match=r"MoK backward kernel timed out: rank 1 slot 1"):
+        kernel.check_pending_errors(wait=True)
+    kernel.check_pending_errors(wait=True)  # reported once
 
 
 @pytest.mark.gpu
