@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -247,6 +248,13 @@ def main():
                 for _ in range(2):
                     fn()
                 torch.cuda.synchronize()
+                host = []  # host time of one call (checks, allocations, tensor maps, launches), GPU idle
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    fn()
+                    host.append((time.perf_counter() - t0) * 1e3)
+                    torch.cuda.synchronize()
+                print(f"  host time per call (median of 5): {sorted(host)[2]:.3f} ms", flush=True)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
                         fn()
