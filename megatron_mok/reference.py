@@ -350,7 +350,15 @@ class MokMoEFunction(torch.autograd.Function):
         in_kernel = (
             fuse
             and getattr(ctx.backend, "accumulates_main_grad", False)
-            and all(m is not None and m.dtype == torch.float32 for m in mains)
+            and all(
+                m is not None
+                and m.dtype == torch.float32
+                and m.dim() == 2
+                and m.stride(1) == 1
+                and m.stride(0) % 2 == 0
+                and m.data_ptr() % 8 == 0
+                for m in mains
+            )
         )
         if in_kernel:  # the backend's wgrad adds straight into main_grad (no fp32 temporaries, no add pass)
             gx, gw, gw1, gw2 = ctx.backend.backward(

@@ -433,6 +433,7 @@ extern "C" {
 
 struct MokWgradArgs {
   int np, L, H, F;
+  int rank0;                          // rank of partition 0 (error reports; emulated EP: 0)
   int device;
   int accumulate;                     // 1: add into the outputs (main_grad), 0: overwrite them
   double timeout_ms;
@@ -544,6 +545,7 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
   P.base.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
   P.base.err = reinterpret_cast<int*>(a->err);
   P.np = np;
+  P.rank0 = a->rank0;
   P.L = L;
   P.H = H;
   P.F = F;

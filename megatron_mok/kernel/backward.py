@@ -169,6 +169,7 @@ class _WgradArgs(ctypes.Structure):
         ("L", ctypes.c_int),
         ("H", ctypes.c_int),
         ("F", ctypes.c_int),
+        ("rank0", ctypes.c_int),
         ("device", ctypes.c_int),
         ("accumulate", ctypes.c_int),
         ("timeout_ms", ctypes.c_double),
@@ -358,6 +359,7 @@ def weight_grads_kernel(
     main_grad_w2=None,
     err: torch.Tensor | None = None,
     timeout_ms: float = 10000.0,
+    rank0: int = 0,
 ):
     """Expert weight gradients of one or more owner ranks (partitions) in ONE launch of the wgrad kernel.
 
@@ -366,7 +368,10 @@ def weight_grads_kernel(
     last expert are never read as data). Returns (grad_w1[p][e] fp32 [2F, H], grad_w2[p][e] fp32 [H, F]).
     With main_grad_w1 / main_grad_w2 (per partition, lists of L fp32 tensors with unit inner stride) the
     results are added into them (gradient-accumulation fusion) and those are returned. No host sync.
-    err: the int32 error record of the preceding dgrad launch (a failed launch makes this a no-op).
+    err: the int32 error record of the preceding dgrad launch: if that launch failed, every output
+    (main_grad too) is set to NaN, so a training step stops at Megatron's gradient NaN check even when
+    the record is read lazily. None: a fresh record, read through the lazy checker
+    (``megatron_mok.kernel.check_pending_errors``). rank0: rank of partition 0, for error reports.
     """
     WHO = "weight_grads_kernel"
 
@@ -404,12 +409,12 @@ def weight_grads_kernel(
         gw2 = [list(torch.empty((L, H, F), dtype=torch.float32, device=device).unbind(0)) for _ in range(parts)]
     lib = load_library()
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    if err is None:
-        err = _err_cache.get(dev)
-        if err is None:
-            err = _err_cache[dev] = torch.zeros((16,), dtype=torch.int32, device=device)
+    own_record = err is None
+    if own_record:
+        err = torch.zeros((16,), dtype=torch.int32, device=device)
     a = _WgradArgs()
     a.np, a.L, a.H, a.F = parts, L, H, F
+    a.rank0 = rank0
     a.device = dev
     a.accumulate = 1 if accumulate else 0
     a.timeout_ms = float(timeout_ms)
@@ -440,6 +445,10 @@ def weight_grads_kernel(
     stream = torch.cuda.current_stream(device)
     if lib.mok_wgrad_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
         raise MokKernelError(f"MoK wgrad launch failed: {ebuf.value.decode(errors='replace')}")
+    if own_record:
+        _lazy_checker(dev).after_launch(
+            err, stream, R=parts, L=L, timeout_ms=timeout_ms, message=lambda v: _error_message(v, parts, L, timeout_ms)
+        )
     return gw1, gw2
 
 
@@ -836,6 +845,7 @@ def mok_backward_rank(
                 main_grad_w2=None if main_grad_w2 is None else [main_grad_w2],
                 err=bufs.bwd_err,
                 timeout_ms=timeout_ms,
+                rank0=rank,
             )
         gw1, gw2 = g1[0], g2[0]
     if check == "lazy":

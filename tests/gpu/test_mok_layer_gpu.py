@@ -67,7 +67,7 @@ def test_kernel_equals_reference_emulated_ep(R, kind):
 
 
 @pytest.mark.parametrize("save_fc1_output", [True, False])
-def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output):
+def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
     """Gradient-accumulation fusion on the kernel backend: the wgrad kernel adds the expert weight
     gradients straight into fp32 main_grad (on top of what is there); autograd gets Megatron's dummy."""
     _kernel_or_skip()
@@ -88,6 +88,16 @@ def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output):
     go = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
     backend = kernel_backend(comm_sms=2, timeout_ms=5000.0)
     ring = RingSpec(minibatch_tokens=256, ring_slots=2)
+    import megatron_mok.kernel.backward as kb
+
+    calls = []  # the wgrad kernel itself must receive main_grad (not a later main_grad.add_)
+    real = kb.weight_grads_kernel
+
+    def spy(*a, **k):
+        calls.append(k.get("main_grad_w1") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kb, "weight_grads_kernel", spy)
 
     def run(fuse):
         def body(tp):
@@ -102,7 +112,10 @@ def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output):
 
         return run_emulated(1, body)[0]
 
-    plain, fused = run(False), run(True)
+    plain = run(False)
+    assert calls == [False]
+    fused = run(True)
+    assert calls == [False, True], calls
     assert backend.last_backward == "kernel"
     for (gp, mp, ap), (_, mf, af) in zip(plain, fused):
         assert not ap and torch.equal(mp, torch.full_like(mp, 0.5))

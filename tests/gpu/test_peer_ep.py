@@ -150,9 +150,10 @@ def test_bad_inputs_are_clear_errors(kernel):
         )
 
 
-def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, saved_h=None, wgrad="mm", **kw):
+def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, saved_h=None, wgrad="kernel", **kw):
     """Launch every rank's backward first (each waits for its peers inside the kernel), then the weight
-    gradients: their "mm" mode reads row counts on the host, which would block the next rank's launch."""
+    gradients (the emulated backward's default mode, so results compare bit for bit; the "mm" mode reads
+    row counts on the host, which would block the next rank's launch)."""
     from megatron_mok.kernel.backward import mok_backward_rank, weight_grads
 
     R = len(bufs)

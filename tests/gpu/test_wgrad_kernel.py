@@ -72,8 +72,9 @@ def test_wgrad_kernel_matches_fp64(bk, counts, H, F, cap_extra):
         pytest.skip("empty buffers")
     parts = [_buffers(counts, H, F, cap_extra, seed=3), _buffers(counts[::-1], H, F, cap_extra, seed=4)]
     gw1, gw2 = bk.weight_grads_kernel(*[[p[i] for p in parts] for i in range(5)])
-    torch.cuda.synchronize()
-    bk.check_last_error(torch.device("cuda"))
+    from megatron_mok import kernel
+
+    kernel.check_pending_errors(wait=True)  # the call's own error record (lazy)
     for q, p in enumerate(parts):
         w1, w2 = _expected(*p)
         assert len(gw1[q]) == len(counts) and gw1[q][0].dtype == torch.float32
@@ -135,5 +136,42 @@ def test_wgrad_kernel_bad_inputs_are_clear_errors(bk):
     tpe, xl, gyl, dh, act = _buffers([10], 256, 128, cap_extra=0, seed=7)
     with pytest.raises(ValueError, match="act"):
         bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act.float()])
-    with pytest.raises(ValueError, match="main_grad"):
+    with pytest.raises(ValueError, match="give both main_grad_w1 and main_grad_w2"):
         bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], main_grad_w1=[[torch.zeros(256, 256, device="cuda")]])
+    mg1 = [[torch.zeros(256, 256, device="cuda")]]  # dW1 is [2F, H] = [256, 256]: right
+    with pytest.raises(ValueError, match=r"main_grad_w2\[0\]\[0\] must have shape \(256, 128\)"):
+        bk.weight_grads_kernel(
+            [tpe], [xl], [gyl], [dh], [act], main_grad_w1=mg1, main_grad_w2=[[torch.zeros(128, 256, device="cuda")]]
+        )
+    with pytest.raises(ValueError, match="main_grad_w2.*float32"):
+        bk.weight_grads_kernel(
+            [tpe],
+            [xl],
+            [gyl],
+            [dh],
+            [act],
+            main_grad_w1=mg1,
+            main_grad_w2=[[torch.zeros(256, 128, device="cuda").bfloat16()]],
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_wgrad_after_a_failed_dgrad_launch_poisons_every_output(bk, accumulate):
+    """The preceding dgrad launch recorded an error (its buffers are garbage): every weight gradient,
+    main_grad included, becomes NaN so a training step cannot apply it, whenever the record is read."""
+    counts, H, F = [40, 0, 90], 256, 128
+    tpe, xl, gyl, dh, act = _buffers(counts, H, F, cap_extra=0, seed=8)
+    err = torch.zeros(16, dtype=torch.int32, device="cuda")
+    err[0] = 1  # as a timed-out dgrad launch leaves it
+    kw = {}
+    if accumulate:
+        kw = dict(
+            main_grad_w1=[[torch.zeros(2 * F, H, device="cuda") for _ in counts]],
+            main_grad_w2=[[torch.zeros(H, F, device="cuda") for _ in counts]],
+        )
+    gw1, gw2 = bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], err=err, **kw)
+    torch.cuda.synchronize()
+    for g in (*gw1[0], *gw2[0]):
+        assert torch.isnan(g).all()
+    assert err[0].item() == 1  # the cause stays recorded

@@ -27,6 +27,7 @@ struct WgradOut {
 struct WgradParams {
   Params base;               // timeout / error fields only (mbar_wait, record_error)
   int np, L, H, F;
+  int rank0;                 // rank of partition 0 (error reports)
   int accumulate;            // 1: out += result (main_grad), 0: out = result
   int mt1, nt1, mt2, nt2;    // tile grid per expert: dW1 [ceil(2F/128) x ceil(H/256)], dW2 [ceil(H/128) x ceil(F/256)]
   unsigned total;            // np * L * (mt1 * nt1 + mt2 * nt2) tickets
@@ -116,7 +117,7 @@ __device__ void wgrad_producer(const WgradParams& P, const WSmem& sm, int lane) 
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       const int rows = tpe[e];
       if (rows < 0 || s < 0 || s + rows > P.cap) {  // counts not from a finished dgrad launch
-        if (lane == 0) record_error(P.base, kErrBadShape, p, e, kPhaseWgrad, P.cap, s + rows, rows);
+        if (lane == 0) record_error(P.base, kErrBadShape, P.rank0 + p, e, kPhaseWgrad, P.cap, s + rows, rows);
         ti.kind = kWgExit;
       } else {
         ti.row0 = (int)s;
@@ -235,7 +236,33 @@ __device__ void wgrad_consumer(const WgradParams& P, const WSmem& sm, int wgc) {
   }
 }
 
+// The dgrad launch before this one failed (its error record is set): its buffers hold no valid rows.
+// Every output becomes NaN (also main_grad), so a training step stops at Megatron's NaN check of the
+// gradients even when the error record is read lazily, after the step; the record names the cause.
+__device__ void wgrad_poison(const WgradParams& P) {
+  const float nan = __int_as_float(0x7fc00000);
+  const long long n1 = 2LL * P.F * P.H, n2 = (long long)P.H * P.F;
+  const long long per_expert = n1 + n2;
+  const long long total = per_expert * P.np * P.L;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+    const int g = (int)(i / per_expert);
+    long long j = i % per_expert;
+    const bool w1 = j < n1;
+    if (!w1) j -= n1;
+    const int cols = w1 ? P.H : P.F;
+    const WgradOut o = (w1 ? P.out1 : P.out2)[g];
+    o.ptr[(j / cols) * o.ld + j % cols] = nan;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) mok_wgrad_kernel(const __grid_constant__ WgradParams P) {
+  __shared__ int s_abort;
+  if (threadIdx.x == 0) s_abort = aborted(P.base) ? 1 : 0;
+  __syncthreads();
+  if (s_abort) {
+    wgrad_poison(P);
+    return;
+  }
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const WSmem sm = wgrad_carve(smem);
