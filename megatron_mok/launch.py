@@ -28,6 +28,30 @@ def _py311_compat() -> None:
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
 
 
+def _prebuilt_dataset_helpers() -> bool:
+    """Megatron-LM's initialize runs ``make`` in megatron/core/datasets to build the dataset index
+    helpers and exits when that fails. A megatron-core *wheel* ships them prebuilt (helpers_cpp) but
+    no Makefile, so that step always fails: skip it when the prebuilt module imports. Returns True if
+    the step was replaced."""
+    import importlib.util
+
+    try:
+        from megatron.core.datasets import utils
+    except ImportError:
+        return False
+    src = os.path.dirname(os.path.abspath(utils.__file__))
+    if os.path.isfile(os.path.join(src, "Makefile")):
+        return False  # a source checkout: let Megatron build them as usual
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False  # nothing to fall back on: Megatron reports the failure itself
+
+    def compile_helpers() -> None:
+        print("> megatron_mok.launch: dataset index helpers are prebuilt in this megatron-core wheel (helpers_cpp)")
+
+    utils.compile_helpers = compile_helpers
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -40,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     import megatron_mok
 
     megatron_mok.register()
+    _prebuilt_dataset_helpers()
     sys.argv = [script, *rest]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

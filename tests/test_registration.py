@@ -121,3 +121,24 @@ def test_kernel_backend_is_shared_per_setting():
     a = kernel_backend(16, 5000.0)
     assert kernel_backend(16, 5000.0) is a
     assert kernel_backend(8, 5000.0) is not a and kernel_backend(16, 100.0) is not a
+
+
+def test_launch_skips_the_dataset_helper_build_of_a_wheel(monkeypatch):
+    """A megatron-core wheel has the dataset helpers prebuilt but no Makefile: Megatron-LM's
+    initialize would run `make` there and exit; the launcher replaces that step (source trees keep it)."""
+    import os
+
+    from megatron.core.datasets import utils
+
+    from megatron_mok import launch
+
+    monkeypatch.setattr(utils, "compile_helpers", utils.compile_helpers)  # restored afterwards
+    has_makefile = os.path.isfile(os.path.join(os.path.dirname(utils.__file__), "Makefile"))
+    before = utils.compile_helpers
+    replaced = launch._prebuilt_dataset_helpers()
+    assert replaced is (not has_makefile)
+    if replaced:
+        assert utils.compile_helpers is not before
+        utils.compile_helpers()  # a no-op that says why (no `make`, no sys.exit)
+    else:
+        assert utils.compile_helpers is before
