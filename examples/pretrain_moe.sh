@@ -75,6 +75,6 @@ torchrun --nproc-per-node "$GPUS_PER_NODE" --nnodes "${NNODES:-1}" --node-rank "
   --moe-aux-loss-coeff 1e-4 --moe-router-load-balancing-type seq_aux_loss \
   --moe-token-dispatcher-type mok --mok-config "$MOK_CFG" \
   --bf16 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
-  --train-iters "${TRAIN_ITERS:-500}" --log-interval 1 \
+  --train-iters "${TRAIN_ITERS:-500}" --log-interval 1 --eval-interval "${EVAL_INTERVAL:-1000}" \
   --mock-data --tokenizer-type NullTokenizer --vocab-size $VOCAB \
   "${NO_TE[@]}" "$@"

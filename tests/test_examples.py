@@ -45,6 +45,8 @@ def test_pretrain_script_full_and_no_te_variants(tmp_path):
         assert flag in small
     assert small[small.index("--vocab-size") + 1] == "32768"
     assert small[small.index("--nproc-per-node") + 1] == "1"
+    # Megatron 0.19 divides train_iters by eval_interval (no default): the script must set it
+    assert int(small[small.index("--eval-interval") + 1]) > 0 and "--eval-interval" in full
     # the generated MoK config matches the small model (16 experts) and loads back
     from megatron_mok.config import load_config
 
