@@ -93,7 +93,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       if (kind == 1)
         ok = wait_counter_geq(P, ctr_ready(P, q, mb), (unsigned)P.comm_sms, q, s, kPhaseDispatchReady);
       else
-        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done);
+        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done,
+                              2);  // secondary: a stalled dispatch is reported by its own waiters first
       if (!ok) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;

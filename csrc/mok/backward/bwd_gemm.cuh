@@ -102,7 +102,8 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
       if (kind == 1)
         ok = wait_counter_geq(B, c_ready(P, q, mb), (unsigned)B.comm_sms, q, s, kPhaseDispatchReady);
       else
-        ok = wait_counter_geq(B, c_s1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done);
+        ok = wait_counter_geq(B, c_s1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done,
+                              2);  // secondary: a stalled pull is reported by its own waiters first
       if (!ok) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.mt = mt; ti.nt = nt;
