@@ -176,5 +176,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         )
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan
+        if backend.name != self.last_backend:  # once per layer and backend change: which path trains
+            logger.info("MoK layer: %s backend (EP %d, %s)", backend.name, self.transport.world_size, k.dtype)
         self.last_backend = backend.name
         return out
