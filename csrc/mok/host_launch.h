@@ -43,24 +43,41 @@ inline EncodeTiledFn get_encode_fn() {
   return fn;
 }
 
-// 2-D bf16 row-major [outer, inner] with row stride ld (elements), box {box_inner, box_outer}, 128B swizzle.
-inline bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
-                      unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el,
-                      const char* what) {
+// 2-D row-major [outer, inner] of `elem`-byte elements with row stride ld (elements), box
+// {box_inner, box_outer}, 128B swizzle.
+inline bool encode_2d_typed(CUtensorMap* m, CUtensorMapDataType dtype, unsigned elem, const void* ptr,
+                            unsigned long long inner, unsigned long long outer, unsigned long long ld,
+                            unsigned box_inner, unsigned box_outer, char* eb, int el, const char* what) {
   EncodeTiledFn fn = get_encode_fn();
   if (!fn) return !write_err(eb, el, "cuTensorMapEncodeTiled entry point not available");
   if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0)
     return !write_err(eb, el, "%s: base pointer not 16-byte aligned", what);
-  if ((ld * 2) % 16 != 0) return !write_err(eb, el, "%s: row stride %llu elements not a multiple of 8", what, ld);
+  if ((ld * elem) % 16 != 0)
+    return !write_err(eb, el, "%s: row stride %llu elements is not a multiple of 16 bytes", what, ld);
   cuuint64_t dims[2] = {inner, outer > 0 ? outer : 1};
-  cuuint64_t strides[1] = {ld * 2};
+  cuuint64_t strides[1] = {ld * elem};
   cuuint32_t box[2] = {box_inner, box_outer};
   cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  CUresult r = fn(m, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return !write_err(eb, el, "%s: cuTensorMapEncodeTiled failed (%d)", what, (int)r);
   return true;
+}
+
+// bf16 [outer, inner], row stride ld elements
+inline bool encode_2d(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
+                      unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el,
+                      const char* what) {
+  return encode_2d_typed(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, inner, outer, ld, box_inner, box_outer, eb, el,
+                         what);
+}
+
+// 1-byte elements (e4m3) [outer, inner], row stride ld bytes
+inline bool encode_2d_u8(CUtensorMap* m, const void* ptr, unsigned long long inner, unsigned long long outer,
+                         unsigned long long ld, unsigned box_inner, unsigned box_outer, char* eb, int el,
+                         const char* what) {
+  return encode_2d_typed(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, ptr, inner, outer, ld, box_inner, box_outer, eb, el,
+                         what);
 }
 
 struct StagingBuf {
