@@ -48,6 +48,7 @@ def test_backward_kernel_compiles_for_sm90a(tmp_path):
     data = out.read_bytes()
     assert len(data) > 0
     assert b"mok_backward_kernel" in data
+    assert b"mok_wgrad_kernel" in data  # the wgrad kernel
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -19,3 +19,5 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert len(data) > 0
     # the fused kernel is in the cubin
     assert b"mok_forward_kernel" in data
+    # and the FP8 block-scaled GEMM unit (issue #5)
+    assert b"mok_fp8_gemm_kernel" in data
