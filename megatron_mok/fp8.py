@@ -1,5 +1,6 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
-for the MoK FP8 kernel path (``kernel.dtype: fp8``; the kernel itself is not built yet).
+for the MoK FP8 kernel path (``kernel.dtype: fp8``; of the kernels only the block-scaled grouped GEMM
+unit exists so far, ``megatron_mok.kernel.fp8_gemm``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
   kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);

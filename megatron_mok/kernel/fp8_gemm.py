@@ -13,8 +13,8 @@ import ctypes
 
 import torch
 
-from .emulated import load_library
-from .errors import MokKernelError
+from .emulated import _lazy_checker, load_library
+from .errors import MokKernelError, format_error
 
 BLOCK = 128
 
@@ -126,4 +126,15 @@ def fp8_grouped_gemm(
     stream = torch.cuda.current_stream(device)
     if lib.mok_fp8_gemm_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
         raise MokKernelError(f"MoK fp8 GEMM launch failed: {ebuf.value.decode(errors='replace')}")
+    # its error record (an internal pipeline stall) is read without a host sync, like the other kernels'
+    _lazy_checker(a.device).after_launch(
+        err,
+        stream,
+        R=1,
+        L=L,
+        timeout_ms=timeout_ms,
+        message=lambda v: format_error(
+            v, 1, L, timeout_ms, kernel="MoK fp8 GEMM", phases={6: "internal smem pipeline"}
+        ),
+    )
     return out

@@ -41,6 +41,7 @@ def _problem(counts, N, K, seed, pad=0):
         ([300, 0, 128, 77, 513], 384, 512),  # empty expert, exact and ragged 128-row tiles
         ([1], 128, 128),  # one row, one tile, one K block
         ([1000, 24], 256, 1024),
+        ([3000, 1100], 1024, 512),  # 264 tiles > 132 SMs: several tiles per CTA, 4 K blocks vs 6 stages
     ],
 )
 def test_fp8_grouped_gemm_matches_the_oracle(f8, counts, N, K):
