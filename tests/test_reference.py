@@ -198,3 +198,61 @@ def test_recompute_choice_and_main_grad_fusion(save_fc1_output):
             torch.testing.assert_close(fmg - 0.5, g, rtol=1e-5, atol=1e-6)
             # saved or recomputed fc1 output: the same weight gradients as the default (saved) path
             torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
+
+
+class _AccumulatingBackend:
+    """A backend that, like the kernel backend, adds the weight gradients into main_grad itself."""
+
+    name = "accumulating"
+    accumulates_main_grad = True
+
+    def __init__(self):
+        from megatron_mok.reference import ReferenceBackend
+
+        self.inner = ReferenceBackend()
+        self.calls: list[bool] = []
+
+    def forward(self, plan, x, topk_idx, topk_w, w1, w2):
+        return self.inner.forward(plan, x, topk_idx, topk_w, w1, w2)
+
+    def backward(self, plan, state, grad_out, w1, w2, main_grads=None):
+        self.calls.append(main_grads is not None)
+        gx, gw, g1, g2 = self.inner.backward(plan, state, grad_out, w1, w2)
+        if main_grads is None:
+            return gx, gw, g1, g2
+        for mg, gs in zip(main_grads, (g1, g2)):
+            for m, g in zip(mg, gs):
+                m.add_(g)
+        return gx, gw, list(main_grads[0]), list(main_grads[1])
+
+
+@pytest.mark.parametrize("layout_ok", [True, False])
+def test_backend_side_main_grad_accumulation(layout_ok):
+    """With gradient-accumulation fusion and a backend that accumulates into main_grad, the autograd node
+    hands it every main_grad (and adds nothing itself); a main_grad layout the kernel cannot write (here a
+    transposed view) falls back to the node's own add. Either way main_grad = before + the gradient."""
+    R, L = 1, 2
+    xs, idx, ws, w1, w2 = _problem(R, L, 16, 8, 2, [11], "random", seed=12, dtype=torch.float32)
+    ring = RingSpec(4, 2)
+
+    def run(tp, fuse, backend):
+        a = [w1[e].clone().requires_grad_() for e in range(L)]
+        b = [w2[e].clone().requires_grad_() for e in range(L)]
+        for p in (*a, *b):
+            if layout_ok:
+                p.main_grad = torch.full_like(p, 0.25)
+            else:  # same values, but a transposed (non-unit inner stride) view
+                p.main_grad = torch.full((p.shape[1], p.shape[0]), 0.25).t()
+            p.grad_added_to_main_grad = False
+        plan = MokPlan(tp, L, ring, fuse_wgrad_into_main_grad=fuse)
+        o = mok_moe(xs[0].clone().requires_grad_(), idx[0], ws[0], a, b, plan, backend)
+        (o**2).sum().backward()
+        return [(p.grad, p.main_grad.clone(), p.grad_added_to_main_grad) for p in (*a, *b)]
+
+    acc = _AccumulatingBackend()
+    plain = run_emulated(1, lambda tp: run(tp, False, acc))[0]
+    fused = run_emulated(1, lambda tp: run(tp, True, acc))[0]
+    assert acc.calls == [False, layout_ok]
+    for (g, _, _), (_, mg, added) in zip(plain, fused):
+        assert added
+        torch.testing.assert_close(mg - 0.25, g, rtol=1e-5, atol=1e-6)
