@@ -33,6 +33,7 @@ import torch
 
 from . import build as _build
 from .availability import KernelAvailability
+from .cargs import LaunchArrays
 from .emulated import _lazy_checker
 from .errors import MokKernelError, format_error, raise_recorded_error
 
@@ -269,14 +270,6 @@ def _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who
         _fail(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}", who)
 
 
-def _u64(vals):
-    return (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
-
-
-def _i64(vals):
-    return (ctypes.c_longlong * max(1, len(vals)))(*vals)
-
-
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
     return format_error(err, R, L, timeout_ms, kernel="MoK backward kernel", phases=_PHASES)
 
@@ -419,20 +412,16 @@ def weight_grads_kernel(
     a.accumulate = 1 if accumulate else 0
     a.timeout_ms = float(timeout_ms)
     a.cap = cap
-    keep = []
-
-    def arr(vals, kind=_u64):
-        c = kind(vals)
-        keep.append(c)
-        return ctypes.cast(c, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     a.tpe = arr([t.data_ptr() for t in tpe])
     a.xl, a.gyl = arr([t.data_ptr() for t in xl]), arr([t.data_ptr() for t in gyl])
     a.dh, a.act = arr([t.data_ptr() for t in dh]), arr([t.data_ptr() for t in act])
     a.gw1 = arr([m.data_ptr() for row in gw1 for m in row])
-    a.gw1_ld = arr([m.stride(0) for row in gw1 for m in row], _i64)
+    a.gw1_ld = arr_i64([m.stride(0) for row in gw1 for m in row])
     a.gw2 = arr([m.data_ptr() for row in gw2 for m in row])
-    a.gw2_ld = arr([m.stride(0) for row in gw2 for m in row], _i64)
+    a.gw2_ld = arr_i64([m.stride(0) for row in gw2 for m in row])
     nbytes = lib.mok_wgrad_workspace_bytes(ctypes.byref(a))
     if nbytes < 0:
         fail(f"sizes rejected by the library (L={L}, H={H}, F={F}, cap={cap})")
@@ -570,12 +559,8 @@ def mok_backward_emulated(
     dh = [torch.empty((cap, 2 * F), **bf) for _ in range(R)]
     act = [torch.empty((cap, F), **bf) for _ in range(R)]
 
-    keep = []
-
-    def arr(vals, kind=_u64):
-        a = kind(vals)
-        keep.append(a)
-        return ctypes.cast(a, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     ptrs = lambda ts: arr([t.data_ptr() for t in ts])  # noqa: E731
     args = _Args()
@@ -587,15 +572,15 @@ def mok_backward_emulated(
     args.device = dev
     args.timeout_ms = float(timeout_ms)
     args.cap = cap
-    args.T = arr(Ts, _i64)
+    args.T = arr_i64(Ts)
     args.x, args.idx, args.w = ptrs(x), ptrs(topk_idx), ptrs(topk_weight)
     args.grad_out, args.combine, args.grad_buf = ptrs(grad_out), ptrs(combine_buf), ptrs(grad_buf)
     args.grad_x, args.grad_w, args.tpe = ptrs(grad_x), ptrs(grad_w), ptrs(tpe)
     args.xl, args.gyl, args.dh, args.act = ptrs(xl), ptrs(gyl), ptrs(dh), ptrs(act)
     args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
+    args.w1_ld = arr_i64([w1[q][e].stride(0) for q in range(R) for e in range(L)])
     args.w2 = arr([w2[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w2_ld = arr([w2[q][e].stride(0) for q in range(R) for e in range(L)], _i64)
+    args.w2_ld = arr_i64([w2[q][e].stride(0) for q in range(R) for e in range(L)])
     if saved_h is None:
         args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
     if saved_h is not None:
@@ -770,12 +755,8 @@ def mok_backward_rank(
         w2t = [w.t().contiguous() for w in w2] if saved_h is None else []  # recompute path only
 
     lib = load_library()
-    keep = []
-
-    def arr(vals, kind=_u64):
-        a = kind(vals)
-        keep.append(a)
-        return ctypes.cast(a, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     def own_only(ptr: int):
         return arr([ptr if r == rank else 0 for r in range(R)])
@@ -788,7 +769,7 @@ def mok_backward_rank(
     args.device = device.index if device.index is not None else torch.cuda.current_device()
     args.timeout_ms = float(timeout_ms)
     args.cap = cap
-    args.T = arr([T] * R, _i64)  # equal on every rank (checked in the kernel)
+    args.T = arr_i64([T] * R)  # equal on every rank (checked in the kernel)
     args.x = arr([bufs.peer(r, reg.x_off) for r in range(R)])
     args.idx = arr([bufs.peer(r, reg.idx_off) for r in range(R)])
     args.w = arr([bufs.peer(r, reg.topk_w_off) for r in range(R)])
@@ -804,9 +785,9 @@ def mok_backward_rank(
     args.xl, args.gyl = own_only(xl.data_ptr()), own_only(gyl.data_ptr())
     args.dh, args.act = own_only(dh.data_ptr()), own_only(act.data_ptr())
     args.w1 = arr([t.data_ptr() for t in w1])
-    args.w1_ld = arr([t.stride(0) for t in w1], _i64)
+    args.w1_ld = arr_i64([t.stride(0) for t in w1])
     args.w2 = arr([t.data_ptr() for t in w2])
-    args.w2_ld = arr([t.stride(0) for t in w2], _i64)
+    args.w2_ld = arr_i64([t.stride(0) for t in w2])
     if w2t:
         args.w2t = arr([t.data_ptr() for t in w2t])
     if saved_h is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .cargs import LaunchArrays
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 MOK_MAX_RANKS = 72
@@ -103,14 +104,6 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_version.restype = ctypes.c_char_p
         _lib = lib
         return lib
-
-
-def _u64_array(vals):
-    return (ctypes.c_ulonglong * max(1, len(vals)))(*vals)
-
-
-def _i64_array(vals):
-    return (ctypes.c_longlong * max(1, len(vals)))(*vals)
 
 
 def _fail(msg: str) -> None:
@@ -252,12 +245,8 @@ def mok_forward_emulated(
     comb = [torch.empty((T, K, H), dtype=torch.bfloat16, device=device) for T in Ts]
     tpe = [torch.empty((L,), dtype=torch.int32, device=device) for _ in range(R)]
 
-    keep = []  # ctypes arrays must outlive the call
-
-    def arr(vals, kind=_u64_array):
-        a = kind(vals)
-        keep.append(a)
-        return ctypes.cast(a, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     args = _Args()
     args.rank = -1  # all R ranks in this launch (sizes the workspace for R partitions)
@@ -267,7 +256,7 @@ def mok_forward_emulated(
     args.stall_rank, args.stall_slot = debug_stall if debug_stall is not None else (-1, -1)
     args.device = dev
     args.timeout_ms = float(timeout_ms)
-    args.T = arr(Ts, _i64_array)
+    args.T = arr_i64(Ts)
     args.x = arr([t.data_ptr() for t in x])
     args.idx = arr([t.data_ptr() for t in topk_idx])
     args.w = arr([t.data_ptr() for t in topk_weight])
@@ -275,9 +264,9 @@ def mok_forward_emulated(
     args.combine = arr([t.data_ptr() for t in comb])
     args.tpe = arr([t.data_ptr() for t in tpe])
     args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w1_ld = arr([w1[q][e].stride(0) for q in range(R) for e in range(L)], _i64_array)
+    args.w1_ld = arr_i64([w1[q][e].stride(0) for q in range(R) for e in range(L)])
     args.w2 = arr([w2[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w2_ld = arr([w2[q][e].stride(0) for q in range(R) for e in range(L)], _i64_array)
+    args.w2_ld = arr_i64([w2[q][e].stride(0) for q in range(R) for e in range(L)])
 
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:

@@ -13,6 +13,7 @@ import ctypes
 
 import torch
 
+from .cargs import LaunchArrays
 from .emulated import _lazy_checker, load_library
 from .errors import MokKernelError, format_error
 
@@ -98,18 +99,14 @@ def fp8_grouped_gemm(
         _fail(f"out must be contiguous bf16 [{rows}, {N}]")
 
     lib = _lib()
-    keep = []
-
-    def arr(vals, kind=ctypes.c_ulonglong):
-        c = (kind * max(1, len(vals)))(*vals)
-        keep.append(c)
-        return ctypes.cast(c, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     a = _Fp8Args()
     a.L, a.N, a.K = L, N, K
     a.device = device.index if device.index is not None else torch.cuda.current_device()
     a.rows = rows
-    a.counts = arr([int(c) for c in counts], ctypes.c_longlong)
+    a.counts = arr_i64([int(c) for c in counts])
     a.xq, a.xs, a.out = xq.data_ptr(), xs.data_ptr(), out.data_ptr()
     a.wq = arr([t.data_ptr() for t in wq])
     a.ws = arr([t.data_ptr() for t in ws])

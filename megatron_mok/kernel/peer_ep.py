@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cargs import LaunchArrays
 from .emulated import MOK_MAX_RANKS, _Args, _check_tensor, _error_message, _lazy_checker, load_library
 from .errors import MokKernelError, raise_recorded_error
 
@@ -213,12 +214,8 @@ def mok_forward_rank(
         tpe = torch.empty((L,), dtype=torch.int32, device=device)
 
     lib = load_library()
-    keep = []
-
-    def arr(vals, ctype=ctypes.c_ulonglong):
-        a = (ctype * max(1, len(vals)))(*vals)
-        keep.append(a)
-        return ctypes.cast(a, ctypes.c_void_p)
+    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arr, arr_i64 = arrays.u64, arrays.i64
 
     def own_only(ptr: int) -> list[int]:
         return [ptr if r == rank else 0 for r in range(R)]
@@ -230,7 +227,7 @@ def mok_forward_rank(
     args.stall_rank, args.stall_slot = -1, -1
     args.device = device.index if device.index is not None else torch.cuda.current_device()
     args.timeout_ms = float(timeout_ms)
-    args.T = arr([T] * R, ctypes.c_longlong)  # equal on every rank (checked in the kernel)
+    args.T = arr_i64([T] * R)  # equal on every rank (checked in the kernel)
     args.x = arr([bufs.peer(r, reg.x_off) for r in range(R)])
     args.idx = arr([bufs.peer(r, reg.idx_off) for r in range(R)])
     args.w = arr(own_only(topk_weight.data_ptr()))
@@ -238,9 +235,9 @@ def mok_forward_rank(
     args.combine = arr([bufs.peer(r, reg.combine_off) for r in range(R)])
     args.tpe = arr(own_only(tpe.data_ptr()))
     args.w1 = arr([t.data_ptr() for t in w1])
-    args.w1_ld = arr([t.stride(0) for t in w1], ctypes.c_longlong)
+    args.w1_ld = arr_i64([t.stride(0) for t in w1])
     args.w2 = arr([t.data_ptr() for t in w2])
-    args.w2_ld = arr([t.stride(0) for t in w2], ctypes.c_longlong)
+    args.w2_ld = arr_i64([t.stride(0) for t in w2])
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if saved_h is not None:
         _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)
