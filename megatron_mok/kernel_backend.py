@@ -213,14 +213,13 @@ class KernelBackend:
 
     def backward(self, plan, state, grad_out, w1, w2, main_grads=None):
         """main_grads: (fc1 main_grads, fc2 main_grads) fp32 to add the weight gradients into (then
-        those are returned as the weight gradients), or None."""
+        those are returned as the weight gradients), or None. Every path adds them: the wgrad kernel
+        itself, the "mm" wgrad after its GEMMs, the reference fallbacks through _add_into."""
         from . import kernel
 
         # finished launches' error records (forward and earlier backwards), without waiting: the host
         # keeps queueing ahead; a failed launch surfaces at the latest at the next MoK call
         kernel.check_pending_errors()
-        if main_grads is not None and (self.wgrad != "kernel" or os.environ.get("MOK_BACKWARD") == "reference"):
-            return _add_into(*main_grads, *self.backward(plan, state, grad_out, w1, w2))
         mg1, mg2 = main_grads if main_grads is not None else (None, None)
         if state.get("peer"):
             return self._backward_peer(plan, state, grad_out, w1, w2, mg1, mg2)
