@@ -26,9 +26,14 @@ from .reference import MokPlan, mok_backward, pull_into
 
 class KernelBackend:
     name = "kernel"
-    #: backward(..., main_grads=(fc1 list, fc2 list)) adds the expert weight gradients straight into
-    #: Megatron's fp32 main_grad (gradient-accumulation fusion) inside the wgrad kernel
-    accumulates_main_grad = True
+
+    @staticmethod
+    def can_accumulate_main_grad(main_grads) -> bool:
+        """backward(..., main_grads=(fc1 list, fc2 list)) can add the expert weight gradients straight
+        into these Megatron main_grads (gradient-accumulation fusion) inside the wgrad kernel."""
+        from .kernel.backward import wgrad_output_ok
+
+        return all(m is not None and wgrad_output_ok(m) for m in main_grads)
 
     def __init__(
         self,

@@ -347,19 +347,8 @@ class MokMoEFunction(torch.autograd.Function):
         w1, w2 = list(weights[: ctx.num_w1]), list(weights[ctx.num_w1 :])
         fuse = ctx.plan.fuse_wgrad_into_main_grad
         mains = [getattr(p, "main_grad", None) for p in ctx.params] if fuse else []
-        in_kernel = (
-            fuse
-            and getattr(ctx.backend, "accumulates_main_grad", False)
-            and all(
-                m is not None
-                and m.dtype == torch.float32
-                and m.dim() == 2
-                and m.stride(1) == 1
-                and m.stride(0) % 2 == 0
-                and m.data_ptr() % 8 == 0
-                for m in mains
-            )
-        )
+        can = getattr(ctx.backend, "can_accumulate_main_grad", None)
+        in_kernel = fuse and can is not None and can(mains)
         if in_kernel:  # the backend's wgrad adds straight into main_grad (no fp32 temporaries, no add pass)
             gx, gw, gw1, gw2 = ctx.backend.backward(
                 ctx.plan, ctx.state, grad_out, w1, w2, main_grads=(mains[: ctx.num_w1], mains[ctx.num_w1 :])

@@ -204,7 +204,12 @@ class _AccumulatingBackend:
     """A backend that, like the kernel backend, adds the weight gradients into main_grad itself."""
 
     name = "accumulating"
-    accumulates_main_grad = True
+
+    @staticmethod
+    def can_accumulate_main_grad(main_grads):  # the kernel backend's own rule (layout the kernel can write)
+        from megatron_mok.kernel_backend import KernelBackend
+
+        return KernelBackend.can_accumulate_main_grad(main_grads)
 
     def __init__(self):
         from megatron_mok.reference import ReferenceBackend

@@ -341,6 +341,18 @@ def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, 
     return gw1, gw2
 
 
+def wgrad_output_ok(t: torch.Tensor) -> bool:
+    """A tensor the wgrad kernel can write (or add into) in place: fp32 2-D, unit inner stride, even row
+    stride, 8-byte aligned (its epilogue stores fp32 pairs)."""
+    return (
+        t.dtype == torch.float32
+        and t.dim() == 2
+        and t.stride(1) == 1
+        and t.stride(0) % 2 == 0
+        and t.data_ptr() % 8 == 0
+    )
+
+
 def weight_grads_kernel(
     tpe,
     xl,
@@ -394,7 +406,7 @@ def weight_grads_kernel(
             for p in range(parts):
                 for e, m in enumerate(mg[p]):
                     _check(m, f"{name}[{p}][{e}]", torch.float32, shape, device, contiguous=False, who=WHO)
-                    if m.stride(1) != 1 or m.stride(0) % 2 or m.data_ptr() % 8:
+                    if not wgrad_output_ok(m):
                         fail(f"{name}[{p}][{e}] needs unit inner stride, an even row stride, 8-byte alignment")
         gw1, gw2 = [list(m) for m in main_grad_w1], [list(m) for m in main_grad_w2]
     else:
