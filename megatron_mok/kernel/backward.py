@@ -447,9 +447,7 @@ def weight_grads_kernel(
     if lib.mok_wgrad_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
         raise MokKernelError(f"MoK wgrad launch failed: {ebuf.value.decode(errors='replace')}")
     if own_record:
-        _lazy_checker(dev).after_launch(
-            err, stream, R=parts, L=L, timeout_ms=timeout_ms, message=lambda v: _error_message(v, parts, L, timeout_ms)
-        )
+        _lazy_checker(dev).after_launch(err, stream, R=parts, L=L, timeout_ms=timeout_ms, fmt=_error_message)
     return gw1, gw2
 
 
@@ -630,9 +628,7 @@ def mok_backward_emulated(
             tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=err, timeout_ms=timeout_ms
         )
     if check == "lazy":  # no host sync: the record is read asynchronously (kernel.check_pending_errors)
-        _lazy_checker(dev).after_launch(
-            err, stream, R=R, L=L, timeout_ms=timeout_ms, message=lambda v: _error_message(v, R, L, timeout_ms)
-        )
+        _lazy_checker(dev).after_launch(err, stream, R=R, L=L, timeout_ms=timeout_ms, fmt=_error_message)
     elif check:
         check_last_error(device, R=R, L=L, timeout_ms=timeout_ms)
 
@@ -843,12 +839,7 @@ def mok_backward_rank(
         gw1, gw2 = g1[0], g2[0]
     if check == "lazy":
         _lazy_checker(args.device).after_launch(
-            bufs.bwd_err,
-            stream,
-            R=R,
-            L=L,
-            timeout_ms=timeout_ms,
-            message=lambda v: _error_message(v, R, L, timeout_ms),
+            bufs.bwd_err, stream, R=R, L=L, timeout_ms=timeout_ms, fmt=_error_message
         )
     elif check:
         check_rank_backward_error(bufs, stream, L=L, timeout_ms=timeout_ms)

@@ -321,11 +321,11 @@ class _LazyErrorChecker:
 
     def __init__(self) -> None:
         self.host = torch.zeros((self.SLOTS, 16), dtype=torch.int32).pin_memory()
-        self.pending: list[tuple[int, torch.cuda.Event, tuple[int, int, float]]] = []
+        self.pending: list[tuple[int, torch.cuda.Event, tuple]] = []  # (slot, event, (fmt, (R, L, timeout)))
         self.next = 0
 
-    def after_launch(self, err: torch.Tensor, stream, *, R: int, L: int, timeout_ms: float, message=None) -> None:
-        """message(record) -> text: the launching kernel's wording (default: the forward kernel's)."""
+    def after_launch(self, err: torch.Tensor, stream, *, R: int, L: int, timeout_ms: float, fmt=None) -> None:
+        """fmt(record, R, L, timeout_ms) -> text: the launching kernel's wording (default: the forward's)."""
         self.poll()
         if len(self.pending) >= self.SLOTS:  # never overwrite an unread record
             self.drain()
@@ -335,21 +335,20 @@ class _LazyErrorChecker:
             self.host[slot].copy_(err, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        fmt = message or (lambda vals, meta=(R, L, timeout_ms): _error_message(vals, *meta))
-        self.pending.append((slot, ev, fmt))
+        self.pending.append((slot, ev, (fmt or _error_message, (R, L, timeout_ms))))
 
     def poll(self, wait: bool = False) -> None:
         still = []
         error = None
-        for slot, ev, fmt in self.pending:
+        for slot, ev, (fmt, meta) in self.pending:
             if wait:
                 ev.synchronize()
             if not ev.query():
-                still.append((slot, ev, fmt))
+                still.append((slot, ev, (fmt, meta)))
                 continue
             vals = self.host[slot].tolist()
             if vals[0] != 0 and error is None:
-                error = fmt(vals)
+                error = fmt(vals, *meta)
         self.pending = still
         if error is not None:
             raise MokKernelError(error)

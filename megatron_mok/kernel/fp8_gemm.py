@@ -55,6 +55,10 @@ def _fail(msg: str) -> None:
     raise ValueError(f"fp8_grouped_gemm: {msg}")
 
 
+def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
+    return format_error(err, R, L, timeout_ms, kernel="MoK fp8 GEMM", phases={6: "internal smem pipeline"})
+
+
 def fp8_grouped_gemm(
     xq: torch.Tensor,
     xs: torch.Tensor,
@@ -124,14 +128,5 @@ def fp8_grouped_gemm(
     if lib.mok_fp8_gemm_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
         raise MokKernelError(f"MoK fp8 GEMM launch failed: {ebuf.value.decode(errors='replace')}")
     # its error record (an internal pipeline stall) is read without a host sync, like the other kernels'
-    _lazy_checker(a.device).after_launch(
-        err,
-        stream,
-        R=1,
-        L=L,
-        timeout_ms=timeout_ms,
-        message=lambda v: format_error(
-            v, 1, L, timeout_ms, kernel="MoK fp8 GEMM", phases={6: "internal smem pipeline"}
-        ),
-    )
+    _lazy_checker(a.device).after_launch(err, stream, R=1, L=L, timeout_ms=timeout_ms, fmt=_error_message)
     return out
