@@ -289,43 +289,18 @@ def test_backward_stall_times_out_and_recovers(bk):
     gos = [torch.randn(T, H, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
     w1 = [[(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
     w2 = [[(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
+    inputs = (gos, xs, idx, ws, comb, w1, w2)
     # ring slots >= minibatches: only the stalled slot's consumers wait (deterministic report)
+    stall = dict(comm_sms=2, ring_slots=8, minibatch_tokens=128, timeout_ms=300.0, debug_stall=(1, 1))
     with pytest.raises(bk.MokKernelError, match=r"timed out: rank 1 slot 1"):
-        bk.mok_backward_emulated(
-            gos,
-            xs,
-            idx,
-            ws,
-            comb,
-            w1,
-            w2,
-            comm_sms=2,
-            ring_slots=8,
-            minibatch_tokens=128,
-            timeout_ms=300.0,
-            debug_stall=(1, 1),
-        )
+        bk.mok_backward_emulated(*inputs, **stall)
     # the next normal call works (state is re-zeroed per launch)
     _case(bk, 2, "random", tokens=[300, 200], seed=23)
     # lazy check (the layer's default): the call returns without a host sync, the record is read later
     from megatron_mok import kernel
 
     kernel.check_pending_errors(wait=True)
-    bk.mok_backward_emulated(
-        gos,
-        xs,
-        idx,
-        ws,
-        comb,
-        w1,
-        w2,
-        comm_sms=2,
-        ring_slots=8,
-        minibatch_tokens=128,
-        timeout_ms=300.0,
-        debug_stall=(1, 1),
-        check="lazy",
-    )
+    bk.mok_backward_emulated(*inputs, **stall, check="lazy")
     with pytest.raises(bk.MokKernelError, match=r"MoK backward kernel timed out: rank 1 slot 1"):
         kernel.check_pending_errors(wait=True)
     kernel.check_pending_errors(wait=True)  # reported once
