@@ -1,13 +1,15 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
-for the MoK FP8 kernel path (``kernel.dtype: fp8``; of the kernels only the block-scaled grouped GEMM
-unit exists so far, ``megatron_mok.kernel.fp8_gemm``).
+of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, and the block-scaled
+grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
   kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);
 * weights: one fp32 scale per 128 x 128 block;
 * GEMMs accumulate in fp32, the scale of each 128-wide K block applied to its partial sum; outputs bf16.
 
-Scales map each block's absolute maximum to the e4m3 maximum (448), so no value saturates.
+Scales map each block's absolute maximum to the e4m3 maximum (448), so no value saturates:
+``scale = max(amax / 448, 1e-12)`` and ``q = e4m3(x * (1 / scale))`` (round to nearest even), all in
+fp32 -- the kernel computes exactly this, so its quantised rows are bit-identical to these.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     T, H = x.shape
     blocks = x.float().view(T, H // BLOCK, BLOCK)
     scale = (blocks.abs().amax(dim=2) / E4M3_MAX).clamp_min(_TINY)
-    q = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    q = (blocks * torch.reciprocal(scale).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
     return q, scale
 
 
@@ -47,7 +49,7 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     N, K = w.shape
     blocks = w.float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
     scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(_TINY)
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(N, K)
+    q = (blocks * torch.reciprocal(scale)[:, None, :, None]).to(torch.float8_e4m3fn).view(N, K)
     return q, scale
 
 

@@ -40,6 +40,12 @@ constexpr int kATileBytes = kBM * kBK * 2;      // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;      // 32 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one warp per chunk)
+// FP8 (e4m3) variant: the same 48 KB stages, each K step one 128-byte SW128 row = 128 e4m3 = one
+// scale block (DeepSeek-V3 recipe: 1 x 128 activation, 128 x 128 weight blocks).
+constexpr int kBKf8 = 128;
+constexpr int kScaleBlock = 128;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kScaleTiny = 1e-12f;  // all-zero blocks: a tiny scale instead of 0 (megatron_mok/fp8.py)
 
 // ---- error reporting ----------------------------------------------------------------------------
 enum ErrCode : int {
@@ -119,6 +125,12 @@ struct Params {
   TimelineEvent* timeline;            // optional [grid][timeline_cap] events (timeline.cuh), or nullptr
   unsigned* timeline_count;           // [grid] events written per CTA (zeroed by the host)
   int timeline_cap;
+  // FP8 forward only (kernel variant kFp8, kernel.dtype fp8): ring / act hold e4m3 bytes (ring and act
+  // above, reinterpreted), with one fp32 scale per 1 x 128 block of each row; the expert weights (tensor
+  // maps) are e4m3 with one fp32 scale per 128 x 128 block. Null in the bf16 kernel.
+  const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
+  float* ring_scale;                  // [nparts][S][M][H / 128]
+  float* act_scale;                   // [nparts][S][M][F / 128]
 };
 
 // Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.

@@ -12,8 +12,14 @@
 //     fc2 tile  : A = activations of the row block, B = W2_e rows [nt*256, +256)
 //                 -> epilogue = push combine: bf16 rows written straight to combine_buf[r][t,k,:]
 //                 of the home rank (a peer store in real EP).
+//
+// FP8 variant (template kFp8, kernel.dtype fp8): the same tiles, stages and tickets; operands are e4m3
+// (128 per SW128 row = one scale block per K step), WGMMA m64n256k32, the per-K-block block scales
+// are applied by rescaling the accumulator (fp8_quant.cuh: rescale_acc), and the fc1 epilogue
+// quantises the SwiGLU output per 1 x 128 block (one tile = one block per row) for fc2.
 #pragma once
 #include "common.cuh"
+#include "fp8_quant.cuh"
 #include "gemm_sm90.cuh"
 #include "push_combine.cuh"
 #include "peer_sync.cuh"
@@ -53,6 +59,7 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
 
 // ------------------------------------------------------------------------------------------------
+template <bool kFp8>
 __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
   const int N = sm.off[L];
@@ -109,19 +116,20 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
 
     const int g = q * L + ti.expert;
     const int arow = ti.slot * M + (ti.row0 - ti.mb_start);
-    const int nk = ti.kind == 1 ? ceil_div(P.H, kBK) : ceil_div(P.F, kBK);
+    constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
+    const int nk = ti.kind == 1 ? ceil_div(P.H, bk) : ceil_div(P.F, bk);
     const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
     for (int kb = 0; kb < nk; ++kb) {
       mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
       uint8_t* a_s = sm.stages + st * kStageBytes;
       uint8_t* b_s = a_s + kATileBytes;
       Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
-      tma_load_2d(amap, &sm.full[st], a_s, kb * kBK, arow);
+      tma_load_2d(amap, &sm.full[st], a_s, kb * bk, arow);
       if (ti.kind == 1) {
-        tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kFc1ActCols);
-        tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * kBK, ti.nt * kFc1ActCols);
+        tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kFc1ActCols);
+        tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kFc1ActCols);
       } else {
-        tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * kBK, ti.nt * kBN);
+        tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
       }
       if (++st == kStages) { st = 0; ph ^= 1u; }
     }
@@ -129,7 +137,52 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// FP8 K loop of one tile: acc = sum_kb P_kb * sa[row, kb] * sb[col block, kb] (see rescale_acc).
+// sa0 / sa1: this thread's two rows' activation scales ([*, nkb] fp32, written in this kernel: read
+// through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
+// ([*, nkb], nullptr past the matrix).
+__device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const ComputeSmem& sm, int wgc, int nk,
+                                              const float* sa0, const float* sa1, const float* sb0,
+                                              const float* sb1, float* acc, int& st, uint32_t& ph) {
+  const int lt = threadIdx.x & 127;
+  float sp[4] = {1.f, 1.f, 1.f, 1.f};
+  int prev = 0;
+  for (int kb = 0; kb < nk; ++kb) {
+    const float a0 = sa0 ? __ldcg(sa0 + kb) : 1.f, a1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
+    const float b0 = sb0 ? __ldg(sb0 + kb) : 1.f, b1 = sb1 ? __ldg(sb1 + kb) : 1.f;
+    const float sc[4] = {a0 * b0, a0 * b1, a1 * b0, a1 * b1};
+    mbar_wait(P, &sm.full[st], ph, q, 4);
+    if (kb > 0) {  // block kb-1 must have landed in acc before it is rescaled to block kb's units
+      cute::warpgroup_wait<0>();
+      fence_acc(acc);
+      if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sp[i] = sp[i] / sc[i];
+      rescale_acc(acc, sp);
+    }
+    const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
+    const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+    const uint64_t da = make_smem_desc_sw128(a_s);
+    const uint64_t db = make_smem_desc_sw128(b_s);
+    fence_acc(acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kBKf8 / 32; ++kk)
+      wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+    cute::warpgroup_commit_batch();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sp[i] = sc[i];
+    prev = st;
+    if (++st == kStages) { st = 0; ph ^= 1u; }
+  }
+  cute::warpgroup_wait<0>();
+  fence_acc(acc);
+  if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+  rescale_acc(acc, sp);
+}
+
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
+template <bool kFp8>
 __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
   const int lt = threadIdx.x & 127;
   const int warp_in_wg = lt >> 5, lane = lt & 31;
@@ -148,6 +201,24 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (ti.kind == 0) break;
     const unsigned long long t_tile = globaltimer_ns();
 
+    const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    if constexpr (kFp8) {
+      const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
+      const long long srow = (long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start);  // slot row of tile row 0
+      const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
+      const float* sa0 = r_lo < ti.rows ? sa + (srow + r_lo) * nk : nullptr;
+      const float* sa1 = r_lo + 8 < ti.rows ? sa + (srow + r_lo + 8) * nk : nullptr;
+      const float* ws = P.wscale[2 * (q * P.L + ti.expert - P.rank0 * P.L) + (ti.kind == 1 ? 0 : 1)];
+      const float *sb0, *sb1;
+      if (ti.kind == 1) {  // B = [128 gate rows of block nt ; 128 up rows of block F/128 + nt]
+        sb0 = ws + (long long)ti.nt * nk;
+        sb1 = ws + (long long)(F / kScaleBlock + ti.nt) * nk;
+      } else {  // B = W2 rows [nt*256, +256): row blocks 2nt, 2nt+1 (the second may lie past H)
+        sb0 = ws + (long long)(2 * ti.nt) * nk;
+        sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
+      }
+      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph);
+    } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
@@ -171,30 +242,10 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     cute::warpgroup_wait<0>();
     fence_acc(acc);
     if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+    }
 
     // ---------------- epilogue ----------------
-    const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     if (ti.kind == 1) {
-      __nv_bfloat16* act = P.act + ((long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        __nv_bfloat16* dst = r < ti.rows ? act + (long long)r * F : nullptr;
-#pragma unroll
-        for (int j0 = 0; j0 < 16; j0 += 4) {
-          uint32_t wv[4];
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj) {
-            const int j = j0 + jj;
-            const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
-            const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
-            wv[jj] = pack_bf16x2(a0, a1);
-          }
-          const uint4 v = quad_transpose(wv[0], wv[1], wv[2], wv[3], lane);
-          const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));
-          if (dst != nullptr && c < F && !MOK_DBG(4)) *reinterpret_cast<uint4*>(dst + c) = v;
-        }
-      }
       // Keep the fc1 output h = [gate | up] (bf16, layout order) for the backward when it does not
       // recompute fc1 (the user's save-vs-recompute choice); rows of this tile, columns of this n-tile.
       __nv_bfloat16* const hs = P.ranks[q].saved_h;
@@ -219,6 +270,43 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           }
         }
       }
+    if constexpr (kFp8) {
+      // SwiGLU in fp32, quantised per row (the tile's 128 columns are one 1 x 128 block) for fc2
+      const long long srow = (long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {  // in place over the gate values (saved h was stored above)
+          acc[4 * j + 2 * h] = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
+          acc[4 * j + 2 * h + 1] = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+        }
+        const bool ok = r < ti.rows && !MOK_DBG(4);
+        uint8_t* dst = ok ? reinterpret_cast<uint8_t*>(P.act) + (srow + r) * F + ti.nt * kFc1ActCols : nullptr;
+        store_act_row_e4m3(dst, P.act_scale + (srow + r) * (F / kScaleBlock) + ti.nt, acc, h, lane);
+      }
+    } else {
+      __nv_bfloat16* act = P.act + ((long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+        __nv_bfloat16* dst = r < ti.rows ? act + (long long)r * F : nullptr;
+#pragma unroll
+        for (int j0 = 0; j0 < 16; j0 += 4) {
+          uint32_t wv[4];
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            const int j = j0 + jj;
+            const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
+            const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+            wv[jj] = pack_bf16x2(a0, a1);
+          }
+          const uint4 v = quad_transpose(wv[0], wv[1], wv[2], wv[3], lane);
+          const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));
+          if (dst != nullptr && c < F && !MOK_DBG(4)) *reinterpret_cast<uint4*>(dst + c) = v;
+        }
+      }
+    }
       fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {
@@ -249,6 +337,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 
 // ------------------------------------------------------------------------------------------------
 // Returns true if this CTA's consumer threads should go on to the final combine reduce.
+template <bool kFp8>
 __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   const ComputeSmem sm = carve_smem(smem);
   if (threadIdx.x == 0) {
@@ -267,11 +356,11 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) ffn_producer(P, q, sm);
+    if (threadIdx.x == 0) ffn_producer<kFp8>(P, q, sm);
     return false;
   } else {
     setmaxnreg_inc<224>();
-    ffn_consumer(P, q, sm, wg - 1);
+    ffn_consumer<kFp8>(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       if (!P.peer_sync) {

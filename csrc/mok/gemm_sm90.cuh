@@ -1,5 +1,5 @@
 // Hopper GEMM building blocks for the compute role: TMA 2-D tile loads into SWIZZLE_128B smem,
-// WGMMA m64n256k16 (bf16 x bf16 -> fp32; A K-major or MN-major, B K-major or MN-major in smem),
+// WGMMA m64n256k16 (bf16 x bf16 -> fp32; m64n256k32 e4m3 x e4m3 -> fp32; A K-major or MN-major, B K-major or MN-major in smem),
 // mbarrier helpers.
 // Uses CuTe/CUTLASS arch-level atoms only.
 #pragma once
@@ -82,6 +82,18 @@ __device__ __forceinline__ void wgmma256_mnmn_impl(uint64_t da, uint64_t db, flo
 // as wgmma_64x256x16 with A and B both MN-major (reductions over the rows of row-major buffers: wgrad)
 __device__ __forceinline__ void wgmma_64x256x16_mnmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
   wgmma256_mnmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
+}
+
+// FP8: d[128] (+)= A(64 x 32 e4m3, smem, K-major) * B(256 x 32 e4m3, smem, K-major)^T. FP8 WGMMA takes
+// K-major operands only; one k32 step is 32 B of each SW128 row, like a bf16 k16 step.
+using Wgmma256F8 = cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
+template <size_t... I>
+__device__ __forceinline__ void wgmma256_f8_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                                 std::index_sequence<I...>) {
+  Wgmma256F8::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+__device__ __forceinline__ void wgmma_64x256x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma256_f8_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
 }
 
 __device__ __forceinline__ void fence_acc(float* d) {

@@ -1,4 +1,4 @@
-// MoK forward megakernel (BF16): schedule -> pull dispatch -> expert FFN (fc1, SwiGLU, fc2)
+// MoK forward megakernel (BF16, or FP8 e4m3 with block scales): schedule -> pull dispatch -> expert FFN (fc1, SwiGLU, fc2)
 // -> push combine -> top-k weighted sum, all in ONE persistent cooperative kernel launch.
 //
 // Grid: P partitions x ctas_per_rank CTAs (1 CTA per SM, 384 threads), one partition per rank run
@@ -43,6 +43,9 @@ __device__ __forceinline__ bool wait_all_computed(const Params& P, int q, int n_
   return wait_counter_geq(P, ctr_compute_done(P), (unsigned)(P.R * n_comp), q, -1, kPhaseComputeDone, 2);
 }
 
+// kFp8: e4m3 operands with 1 x 128 / 128 x 128 block scales (kernel.dtype fp8): the pull quantises x
+// into the ring slot, the fc1 epilogue quantises the SwiGLU output; everything else is shared.
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_constant__ Params P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   const int warp = threadIdx.x >> 5;
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
   if (local < P.comm_sms) {
-    if (!dispatch_role(P, q, local, &s_flag)) return;
+    if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
@@ -84,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
     }
   } else {
-    if (!compute_role(P, q, smem)) return;  // producer warpgroup leaves here
+    if (!compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
     if (threadIdx.x == 128) *flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
@@ -139,6 +142,12 @@ struct MokLaunchArgs {
   // (layout order) that the backward reads instead of recomputing fc1; only this launch's ranks' are used.
   const unsigned long long* saved_h;
   long long saved_h_rows;
+  // FP8 kernel (kernel.dtype fp8) when fp8 = 1: w1 / w2 then point at e4m3 weights (w1_ld / w2_ld in
+  // elements = bytes) and w1s / w2s at their fp32 128 x 128 block scales, host [R*L] device ptrs of
+  // [2F/128, H/128] and [H/128, F/128] (contiguous). Needs H and F multiples of 128.
+  int fp8;
+  const unsigned long long* w1s;
+  const unsigned long long* w2s;
 };
 
 }  // extern "C"
@@ -148,7 +157,7 @@ namespace {
 using namespace mok_host;
 
 struct WsLayout {
-  size_t tmaps, ranks, ring, act, layout, local_rank, expert_total, expert_off, zero_begin, counters,
+  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, zero_begin, counters,
       chunk_counts, zero_end, total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E;
@@ -167,6 +176,8 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->minibatch < 1 || a->minibatch > (1 << 20))
     return !write_err(eb, el, "minibatch_tokens=%d out of [1, 2^20]", a->minibatch);
   if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
+  if (a->fp8 && (a->H % 128 || a->F % 128))
+    return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   long long entries = 0;
   for (int r = 0; r < a->R; ++r) {
     if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
@@ -199,8 +210,11 @@ WsLayout plan(const MokLaunchArgs* a) {
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
   w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
-  w.ring = take((size_t)np * S * M * a->H * 2);
-  w.act = take((size_t)np * S * M * a->F * 2);
+  w.wscale = take((size_t)np * a->L * 2 * sizeof(void*));  // staged with the maps and rank table (before ring)
+  w.ring = take((size_t)np * S * M * a->H * (a->fp8 ? 1 : 2));
+  w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
+  w.act = take((size_t)np * S * M * a->F * (a->fp8 ? 1 : 2));
+  w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
   w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
@@ -218,12 +232,12 @@ WsLayout plan(const MokLaunchArgs* a) {
 
 extern "C" {
 
-const char* mok_version() { return "mok-forward-bf16-wgmma-1"; }
-
 long long mok_workspace_bytes(const MokLaunchArgs* a) {
   if (!validate(a, nullptr, 0)) return -1;
   return (long long)plan(a).total;
 }
+
+const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
 
 int mok_smem_bytes(int E) {
   return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
@@ -269,15 +283,16 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
                      np, num_sms, cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
-  static int cached_smem[64] = {0}, cached_blocks[64] = {0};  // per device: attribute set once per size
+  const int v = a->fp8 ? 1 : 0;
+  auto kernel = v ? mok::mok_forward_kernel<true> : mok::mok_forward_kernel<false>;
+  static int cached_smem[2][64] = {{0}}, cached_blocks[2][64] = {{0}};  // per variant and device: set once per size
   const int dslot = a->device & 63;
-  if (cached_smem[dslot] != smem) {
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(mok::mok_forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOK_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[dslot], mok::mok_forward_kernel, mok::kThreads, smem));
-    cached_smem[dslot] = smem;
+  if (cached_smem[v][dslot] != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[v][dslot], kernel, mok::kThreads, smem));
+    cached_smem[v][dslot] = smem;
   }
-  max_blocks = cached_blocks[dslot];
+  max_blocks = cached_blocks[v][dslot];
   if ((long long)np * cpr > (long long)max_blocks * num_sms)
     return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
                      max_blocks);
@@ -291,7 +306,27 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F, S = a->ring_slots, M = a->minibatch;
-  for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
+  if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
+  const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
+  for (int g = 0; a->fp8 && g < np * L; ++g) {  // e4m3 weights: 1-byte maps, 128-element (= 128 B) K boxes
+    const uint8_t* w1 = reinterpret_cast<const uint8_t*>(a->w1[g]);
+    const uint8_t* w2 = reinterpret_cast<const uint8_t*>(a->w2[g]);
+    if (!w1 || !w2 || !a->w1s[g] || !a->w2s[g])
+      return write_err(errbuf, errlen, "fp8 expert %d: null weight or scale pointer", rank0 * L + g);
+    wsc[2 * g] = reinterpret_cast<const float*>(a->w1s[g]);
+    wsc[2 * g + 1] = reinterpret_cast<const float*>(a->w2s[g]);
+    char what[64];
+    snprintf(what, sizeof(what), "fp8 w1[expert %d] gate", rank0 * L + g);
+    if (!encode_2d_u8(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols, errbuf, errlen, what))
+      return 1;
+    snprintf(what, sizeof(what), "fp8 w1[expert %d] up", rank0 * L + g);
+    if (!encode_2d_u8(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols,
+                      errbuf, errlen, what))
+      return 1;
+    snprintf(what, sizeof(what), "fp8 w2[expert %d]", rank0 * L + g);
+    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, what)) return 1;
+  }
+  for (int g = 0; !a->fp8 && g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
     const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
     char what[64];
@@ -304,7 +339,17 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     snprintf(what, sizeof(what), "w2[expert %d]", rank0 * L + g);
     if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, what)) return 1;
   }
-  for (int p = 0; p < np; ++p) {
+  for (int p = 0; a->fp8 && p < np; ++p) {
+    const uint8_t* ring = wsp + ws.ring + (size_t)p * S * M * H;
+    const uint8_t* act = wsp + ws.act + (size_t)p * S * M * F;
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBKf8, mok::kBM, errbuf,
+                      errlen, "fp8 ring"))
+      return 1;
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * M, F, mok::kBKf8, mok::kBM, errbuf,
+                      errlen, "fp8 act"))
+      return 1;
+  }
+  for (int p = 0; !a->fp8 && p < np; ++p) {
     const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.ring) + (size_t)p * S * M * H;
     const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.act) + (size_t)p * S * M * F;
     if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBK, mok::kBM, errbuf,
@@ -363,6 +408,11 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.expert_total = reinterpret_cast<int*>(wsp + ws.expert_total);
   P.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
+  if (a->fp8) {
+    P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);
+    P.ring_scale = reinterpret_cast<float*>(wsp + ws.ring_scale);
+    P.act_scale = reinterpret_cast<float*>(wsp + ws.act_scale);
+  }
   P.err = reinterpret_cast<int*>(a->err);
   P.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);
   P.timeline_count = reinterpret_cast<unsigned*>(a->timeline_count);
@@ -390,7 +440,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
   const char* coop = getenv("MOK_COOPERATIVE");
   cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::mok_forward_kernel, P));
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -2,8 +2,11 @@
 // copy (pull) the layout rows' x vectors from the source ranks' x buffers into the slot, then publish
 // the slot's ready counter. In emulated EP the source pointers come from the per-rank table; with
 // real EP they would be NVLink peer pointers (symmetric memory), and the copy is a remote read.
+// FP8 kernel (kFp8): the pulled bf16 row is quantised on the way into the slot (fp8_quant.cuh), so
+// no separate quantise kernel and no extra HBM round trip.
 #pragma once
 #include "common.cuh"
+#include "fp8_quant.cuh"
 #include "ring_buffer.cuh"
 #include "timeline.cuh"
 #include "timeout.cuh"
@@ -34,6 +37,7 @@ __device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, c
 }
 
 // Returns false if the kernel is aborting.
+template <bool kFp8>
 __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
   const int M = P.minibatch, S = P.ring_slots, H = P.H;
@@ -56,11 +60,15 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
     }
     const unsigned long long t0 = globaltimer_ns();
     const int a = i * M, b = min(a + M, N);
-    __nv_bfloat16* slot = P.ring + ((long long)(part(P, q) * S + s) * M) * H;
+    const long long slot_row0 = (long long)(part(P, q) * S + s) * M;
     for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
       const int2 src = layout[row];
       const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
-      copy_row_bf16(slot + (long long)(row - a) * H, sp, H, lane);
+      const long long r = slot_row0 + (row - a);
+      if constexpr (kFp8)
+        quantize_pull_row(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), sp, H, lane);
+      else
+        copy_row_bf16(P.ring + r * H, sp, H, lane);
     }
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     __syncthreads();

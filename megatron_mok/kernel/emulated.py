@@ -74,6 +74,10 @@ class _Args(ctypes.Structure):
         # optional: owners' fc1-output buffers kept for the backward (see mok_forward_emulated)
         ("saved_h", ctypes.c_void_p),
         ("saved_h_rows", ctypes.c_longlong),
+        # FP8 kernel (kernel.dtype fp8): w1 / w2 then point at e4m3 weights, w1s / w2s at their scales
+        ("fp8", ctypes.c_int),
+        ("w1s", ctypes.c_void_p),
+        ("w2s", ctypes.c_void_p),
     ]
 
 
@@ -202,6 +206,33 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
     return R, L, H, F, K, device
 
 
+def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H: int, F: int, device) -> None:
+    """Expert weight pointers of the owner ranks ``ranks`` (this launch's) into the launch struct: the
+    bf16 weights, or with ``fp8`` (Fp8ExpertWeights over all R ranks) the e4m3 copies and their scales."""
+    ranks = list(ranks)
+    if fp8 is None:
+        args.fp8 = 0
+        args.w1 = arrays.u64([w1[q][e].data_ptr() for q in ranks for e in range(L)])
+        args.w1_ld = arrays.i64([w1[q][e].stride(0) for q in ranks for e in range(L)])
+        args.w2 = arrays.u64([w2[q][e].data_ptr() for q in ranks for e in range(L)])
+        args.w2_ld = arrays.i64([w2[q][e].stride(0) for q in ranks for e in range(L)])
+        return
+    from .fp8_weights import Fp8ExpertWeights
+
+    if not isinstance(fp8, Fp8ExpertWeights):
+        _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.fp8_weights), got {type(fp8).__name__}")
+    fp8.validate(len(fp8.w1q), L, H, F, device)
+    if max(ranks) >= len(fp8.w1q):
+        _fail(f"fp8 weights cover {len(fp8.w1q)} ranks, the launch needs rank {max(ranks)}")
+    args.fp8 = 1
+    args.w1 = arrays.u64([fp8.w1q[q][e].data_ptr() for q in ranks for e in range(L)])
+    args.w1_ld = arrays.i64([H for _ in ranks for _ in range(L)])
+    args.w2 = arrays.u64([fp8.w2q[q][e].data_ptr() for q in ranks for e in range(L)])
+    args.w2_ld = arrays.i64([F for _ in ranks for _ in range(L)])
+    args.w1s = arrays.u64([fp8.w1s[q][e].data_ptr() for q in ranks for e in range(L)])
+    args.w2s = arrays.u64([fp8.w2s[q][e].data_ptr() for q in ranks for e in range(L)])
+
+
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
     return format_error(err, R, L, timeout_ms, kernel="MoK kernel", phases=_PHASES)
 
@@ -222,11 +253,15 @@ def mok_forward_emulated(
     check: bool | str = True,
     timeline=None,
     saved_h=None,
+    fp8=None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
 
     saved_h: optional list of R bf16 tensors [>= sum_r T_r * K, 2F]; owner q's fc1 output h = [gate | up]
     lands in saved_h[q] in layout order, for ``mok_backward_emulated(..., saved_h=...)`` (no fc1 recompute).
+    fp8: optional ``Fp8ExpertWeights`` (fp8_weights.py) of w1 / w2: runs the FP8 kernel (e4m3 with 1 x 128
+    activation and 128 x 128 weight block scales, activations quantised in the pull and the SwiGLU
+    epilogue, fp32 accumulation, bf16 outputs); w1 / w2 then only give the shapes.
     """
     R, L, H, F, K, device = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
@@ -263,10 +298,7 @@ def mok_forward_emulated(
     args.out = arr([t.data_ptr() for t in out])
     args.combine = arr([t.data_ptr() for t in comb])
     args.tpe = arr([t.data_ptr() for t in tpe])
-    args.w1 = arr([w1[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w1_ld = arr_i64([w1[q][e].stride(0) for q in range(R) for e in range(L)])
-    args.w2 = arr([w2[q][e].data_ptr() for q in range(R) for e in range(L)])
-    args.w2_ld = arr_i64([w2[q][e].stride(0) for q in range(R) for e in range(L)])
+    set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device)
 
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:

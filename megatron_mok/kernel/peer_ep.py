@@ -31,7 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from .cargs import LaunchArrays
-from .emulated import MOK_MAX_RANKS, _Args, _check_tensor, _error_message, _lazy_checker, load_library
+from .emulated import (
+    MOK_MAX_RANKS,
+    _Args,
+    _check_tensor,
+    _error_message,
+    _lazy_checker,
+    load_library,
+    set_expert_weights,
+)
 from .errors import MokKernelError, raise_recorded_error
 
 SIGNAL_KINDS = 3  # start, done, token count (csrc/mok/common.cuh SignalKind)
@@ -162,6 +170,7 @@ def mok_forward_rank(
     check: bool | str = True,
     timeline=None,
     saved_h: torch.Tensor | None = None,
+    fp8=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE forward of rank ``bufs.rank`` (one kernel launch; every rank must make the matching call).
 
@@ -173,6 +182,7 @@ def mok_forward_rank(
     order, for ``mok_backward_rank(..., saved_h=...)`` (no fc1 recompute in the backward). Its rows are
     the owner capacity: world * T * K never overflows; with fewer, a routing that sends this rank more
     rows is reported by the kernel (every rank sees it and leaves) before any row is written.
+    fp8: optional ``Fp8ExpertWeights`` of this rank's experts (one rank: ``w1q[0][e]`` ...): the FP8 kernel.
     """
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -234,10 +244,7 @@ def mok_forward_rank(
     args.out = arr(own_only(out.data_ptr()))
     args.combine = arr([bufs.peer(r, reg.combine_off) for r in range(R)])
     args.tpe = arr(own_only(tpe.data_ptr()))
-    args.w1 = arr([t.data_ptr() for t in w1])
-    args.w1_ld = arr_i64([t.stride(0) for t in w1])
-    args.w2 = arr([t.data_ptr() for t in w2])
-    args.w2_ld = arr_i64([t.stride(0) for t in w2])
+    set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device)
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if saved_h is not None:
         _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)

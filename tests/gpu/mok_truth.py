@@ -109,3 +109,71 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if den == 0.0:
         return num
     return num / den
+
+
+@torch.no_grad()
+def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
+    """The FP8 recipe (megatron_mok.fp8: 1 x 128 activation / 128 x 128 weight block scales, fp32
+    accumulation one K block at a time, bf16 y) applied row by row as the FP8 kernel does.
+    Returns (out[r], combine[r], h[q]): h[q] is owner q's fp32 fc1 output [rows, 2F] in layout order
+    (expert, then source rank, token, k), what the kernel keeps as saved h."""
+    from megatron_mok import fp8
+
+    R, L = len(x), len(w1[0])
+    combs = [
+        torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
+        for t, i in zip(x, topk_idx)
+    ]
+    hs = []
+    for q in range(R):
+        hq = []
+        for e in range(L):
+            g = q * L + e
+            w1q, w1s = fp8.quantize_weight_128x128(w1[q][e])
+            w2q, w2s = fp8.quantize_weight_128x128(w2[q][e])
+            F = w2[q][e].shape[1]
+            for r in range(R):
+                tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
+                if tt.numel() == 0:
+                    continue
+                xq, xs = fp8.quantize_act_1x128(x[r][tt])
+                h = fp8.fp8_linear(xq, xs, w1q, w1s)
+                hq.append(h)
+                a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+                aq, as_ = fp8.quantize_act_1x128(a)
+                combs[r][tt, kk] = fp8.fp8_linear(aq, as_, w2q, w2s).bfloat16()
+        F2 = 2 * w2[q][0].shape[1]
+        hs.append(torch.cat(hq) if hq else torch.zeros((0, F2), device=x[0].device))
+    outs = []
+    for r in range(R):
+        valid = (topk_idx[r] >= 0).float() * topk_weight[r]
+        acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
+        for k in range(topk_idx[r].shape[1]):
+            acc += valid[:, k : k + 1] * combs[r][:, k].float()
+        outs.append(acc.bfloat16())
+    return outs, combs, hs
+
+
+@torch.no_grad()
+def exact_fp32(x, topk_idx, topk_weight, w1, w2):
+    """The MoE layer in fp32 from the bf16 inputs, no intermediate roundings (error yardstick)."""
+    R, L = len(x), len(w1[0])
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        outs = [torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device) for t in x]
+        for q in range(R):
+            for e in range(L):
+                g = q * L + e
+                F = w2[q][e].shape[1]
+                for r in range(R):
+                    tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
+                    if tt.numel() == 0:
+                        continue
+                    h = x[r][tt].float() @ w1[q][e].float().t()
+                    a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+                    y = a @ w2[q][e].float().t()
+                    outs[r].index_add_(0, tt, y * topk_weight[r][tt, kk].unsqueeze(1))
+        return outs
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32

@@ -1,0 +1,118 @@
+// FP8 (e4m3) quantisation fused into the forward kernel (kernel.dtype fp8), DeepSeek-V3 recipe:
+// one fp32 scale per 1 x 128 block of an activation row, scale = max(amax / 448, 1e-12),
+// q = e4m3_rn_satfinite(x * (1 / scale)). megatron_mok/fp8.py computes the same in PyTorch, so a row
+// quantised by the pull dispatch is bit-identical to the oracle's.
+//
+//   quantize_pull_row  comm SMs: read a bf16 x row from its source rank, write e4m3 + scales into the
+//                      ring slot (the slot row shrinks from 2H to H + H/32 bytes)
+//   rescale_acc        compute SMs: per-K-block scale promotion without a second accumulator. The
+//                      accumulator is kept in units of the current block's scale s_kb = sa[row] * sb[col]:
+//                      before block kb's WGMMAs acc *= s_{kb-1} / s_kb, after the last acc *= s_last.
+//                      That is the same sum as sum_kb P_kb * s_kb (fp32 rounding aside) with 128
+//                      accumulator registers instead of 256, so the bf16 kernel's 128 x 256 tiles stay.
+//   store_act_row_e4m3 fc1 epilogue: one row's 128 SwiGLU outputs of a tile (= one scale block) as e4m3
+//                      + its scale, 16-byte stores after a quad transpose.
+#pragma once
+#include "common.cuh"
+#include "push_combine.cuh"
+
+#include <cuda_fp8.h>
+
+namespace mok {
+
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+__device__ __forceinline__ float block_scale(float amax) { return fmaxf(amax / kE4m3Max, kScaleTiny); }
+
+// One warp pulls and quantises one row of H (multiple of 128) bf16 values. Iteration u covers 32 lanes x 8
+// values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly. Up to U
+// 16-byte loads per lane are in flight (the pull is latency-bound, as in copy_row_bf16).
+__device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
+                                                  const __nv_bfloat16* __restrict__ src, int H, int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint2* d = reinterpret_cast<uint2*>(dst);
+  const int nv = H / 8;
+  constexpr int U = 16;
+  for (int base = 0; base < nv; base += 32 * U) {
+    uint4 buf[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * 32 + lane;
+      buf[u] = v < nv ? __ldg(s + v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + u * 32 >= nv) break;  // warp-uniform
+      const int v = base + u * 32 + lane;
+      float f[8];
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[u]);
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 t = __bfloat1622float2(p[i]);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+        amax = fmaxf(amax, fmaxf(fabsf(t.x), fabsf(t.y)));
+      }
+#pragma unroll
+      for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      const float scale = block_scale(amax);
+      const float inv = 1.0f / scale;
+      if (v < nv) {
+        uint2 q;
+        q.x = e4m3x2(f[0] * inv, f[1] * inv) | (e4m3x2(f[2] * inv, f[3] * inv) << 16);
+        q.y = e4m3x2(f[4] * inv, f[5] * inv) | (e4m3x2(f[6] * inv, f[7] * inv) << 16);
+        d[v] = q;
+        if ((lane & 15) == 0) dst_scale[v / 16] = scale;
+      }
+    }
+  }
+}
+
+// acc of a 64 x 256 WGMMA fragment: acc[4j + 2h + {0,1}] is row h (0/1) of this thread, column
+// 8j + 2(lane%4) + {0,1}; columns < 128 (j < 16) are column block 0, the rest block 1. f[2h + c].
+__device__ __forceinline__ void rescale_acc(float* acc, const float* f) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int c = j < 16 ? 0 : 1;
+    acc[4 * j + 0] *= f[c];
+    acc[4 * j + 1] *= f[c];
+    acc[4 * j + 2] *= f[2 + c];
+    acc[4 * j + 3] *= f[2 + c];
+  }
+}
+
+// acc of a 64 x 256 fc1 fragment after the SwiGLU was written in place: acc[4j + 2h], acc[4j + 2h + 1]
+// (j < 16) are row h's outputs at columns 8j + 2(lane%4) + {0,1} of a 128-column tile = one 1 x 128
+// block. The quad computes the block's amax, quantises, and each lane stores 2 x 16 bytes (dst = row
+// start + tile column, nullptr: row not valid; all lanes must call, the transpose uses shuffles).
+__device__ __forceinline__ void store_act_row_e4m3(uint8_t* dst, float* dst_scale, const float* acc, int h, int lane) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fmaxf(fabsf(acc[4 * j + 2 * h]), fabsf(acc[4 * j + 2 * h + 1])));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float scale = block_scale(amax);
+  const float inv = 1.0f / scale;
+  const int l = lane & 3;
+#pragma unroll
+  for (int j0 = 0; j0 < 16; j0 += 8) {
+    uint32_t w[4];  // word m = e4m3 pairs of chunks j0+2m (low half) and j0+2m+1 (high half)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int j = j0 + 2 * m;
+      w[m] = e4m3x2(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv) |
+             (e4m3x2(acc[4 * (j + 1) + 2 * h] * inv, acc[4 * (j + 1) + 2 * h + 1] * inv) << 16);
+    }
+    // after the transpose lane l holds every lane's word l: the 8 + 8 bytes of chunks j0+2l, j0+2l+1
+    const uint4 o = quad_transpose(w[0], w[1], w[2], w[3], lane);
+    const uint4 v = make_uint4(__byte_perm(o.x, o.y, 0x5410), __byte_perm(o.z, o.w, 0x5410),
+                               __byte_perm(o.x, o.y, 0x7632), __byte_perm(o.z, o.w, 0x7632));
+    if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * j0 + 16 * l) = v;
+  }
+  if (dst != nullptr && l == 0) *dst_scale = scale;
+}
+
+}  // namespace mok

@@ -1,0 +1,94 @@
+"""E4M3 expert weights with 128 x 128 block scales for the FP8 forward kernel (``kernel.dtype: fp8``).
+
+Weights change once per optimizer step, so they are quantised outside the kernel (the activations are
+quantised inside it: in the pull dispatch and the SwiGLU epilogue) and cached: ``Fp8WeightCache``
+re-quantises a weight only when its storage or its autograd version counter changed, so the
+micro-batches of one step and the backward share one quantisation.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .. import fp8
+
+
+@dataclass
+class Fp8ExpertWeights:
+    """Per owner rank q and local expert e: fc1 ``w1q[q][e]`` e4m3 [2F, H] with ``w1s[q][e]`` fp32
+    [2F/128, H/128], fc2 ``w2q[q][e]`` e4m3 [H, F] with ``w2s[q][e]`` fp32 [H/128, F/128]."""
+
+    w1q: list[list[torch.Tensor]]
+    w1s: list[list[torch.Tensor]]
+    w2q: list[list[torch.Tensor]]
+    w2s: list[list[torch.Tensor]]
+
+    def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"fp8 expert weights: {msg}")
+
+        if H % fp8.BLOCK or F % fp8.BLOCK:
+            fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of {fp8.BLOCK} for block scales")
+        for name, lst in (("w1q", self.w1q), ("w1s", self.w1s), ("w2q", self.w2q), ("w2s", self.w2s)):
+            if len(lst) != R or any(len(v) != L for v in lst):
+                fail(f"{name} must hold {R} ranks x {L} experts")
+        shapes = {
+            "w1q": ((2 * F, H), torch.float8_e4m3fn),
+            "w1s": ((2 * F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
+            "w2q": ((H, F), torch.float8_e4m3fn),
+            "w2s": ((H // fp8.BLOCK, F // fp8.BLOCK), torch.float32),
+        }
+        for name, (shape, dtype) in shapes.items():
+            for q, per_rank in enumerate(getattr(self, name)):
+                for e, t in enumerate(per_rank):
+                    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                        fail(f"{name}[{q}][{e}] must be {dtype} {list(shape)}, got {got}")
+                    if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
+                        fail(f"{name}[{q}][{e}] must be a contiguous, 16-byte aligned tensor on {device}")
+
+
+class Fp8WeightCache:
+    """Quantised copies of bf16 weights, reused while the weight is unchanged."""
+
+    def __init__(self) -> None:
+        # id(w) -> (weak reference to w, its storage/version key, e4m3 copy, scales); the weak reference
+        # makes a new tensor that reuses a freed one's id (and maybe its memory) a miss, not a stale hit
+        self._entries: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _key(w: torch.Tensor) -> tuple:
+        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+
+    def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = self._key(w)
+        hit = self._entries.get(id(w))
+        if hit is not None and hit[0]() is w and hit[1] == key:
+            return hit[2], hit[3]
+        with torch.no_grad():
+            q, s = fp8.quantize_weight_128x128(w.detach())
+        q, s = q.contiguous(), s.contiguous()
+        self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # drop dead weights
+        self._entries[id(w)] = (weakref.ref(w), key, q, s)
+        return q, s
+
+    def experts(self, w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]]) -> Fp8ExpertWeights:
+        p1 = [[self.get(t) for t in per_rank] for per_rank in w1]
+        p2 = [[self.get(t) for t in per_rank] for per_rank in w2]
+        return Fp8ExpertWeights(
+            w1q=[[a for a, _ in r] for r in p1],
+            w1s=[[b for _, b in r] for r in p1],
+            w2q=[[a for a, _ in r] for r in p2],
+            w2s=[[b for _, b in r] for r in p2],
+        )
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def quantize_expert_weights(w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]]) -> Fp8ExpertWeights:
+    """One-off quantisation (no cache) of per-rank lists of bf16 expert weights."""
+    return Fp8WeightCache().experts(w1, w2)

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""FP8 vs BF16 MoK forward on the H200, one run (issue #5): Kimi-K2 and DeepSeek-V3 per-GPU slices.
+
+For each slice (emulated EP 1, one launch, same inputs):
+  dense   : torch.mm bf16 at the fc1 and fc2 shapes with the same row count (the ceiling, this run)
+  bf16    : the bf16 MoK forward kernel
+  fp8     : the FP8 MoK forward kernel (e4m3, 1 x 128 / 128 x 128 block scales, activations quantised
+            in the pull and the SwiGLU epilogue); expert weights quantised once beforehand (per
+            optimizer step in training), whose time is printed separately
+Prints ms, TFLOP/s (2*rows*H*2F + 2*rows*F*H), bf16 / dense, fp8 speedup over bf16, and both kernels'
+relative error vs the fp32 layer (first --err-tokens tokens).
+    python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from bench_common import make_inputs, pipelined, timeit  # noqa: E402
+
+SHAPES = {
+    # name: (H, F, K, L, tokens)
+    "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 (384 experts) at EP 48: 8 local experts, 65536 rows
+    "dsv3": (7168, 2048, 8, 32, 8192),  # DeepSeek-V3 (256 experts) at EP 8: 32 local experts, 65536 rows
+}
+
+
+def dense_ms(rows: int, H: int, F: int, iters: int) -> float:
+    a = torch.randn((rows, H), device="cuda").bfloat16()
+    b1 = torch.randn((H, 2 * F), device="cuda").bfloat16()
+    a2 = torch.randn((rows, F), device="cuda").bfloat16()
+    b2 = torch.randn((F, H), device="cuda").bfloat16()
+    t1, _ = timeit(lambda: torch.mm(a, b1), iters, 3)
+    t2, _ = timeit(lambda: torch.mm(a2, b2), iters, 3)
+    return t1 + t2
+
+
+def bench(name: str, args, results: list) -> None:
+    from mok_truth import exact_fp32, rel_err
+
+    import megatron_mok.kernel as mk
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    H, F, K, L, T = SHAPES[name]
+    rows = T * K
+    flops = 2.0 * rows * H * 2 * F + 2.0 * rows * F * H
+
+    def tf(ms: float) -> float:
+        return flops / (ms * 1e-3) / 1e12
+
+    x, idx, w, w1, w2 = make_inputs(H, F, K, L, T)
+    w1l, w2l = [[w1[e] for e in range(L)]], [[w2[e] for e in range(L)]]
+    print(f"\n=== {name}: H={H} F={F} top-{K} L={L} tokens={T} rows={rows} ({flops / 1e12:.2f} TFLOP) ===", flush=True)
+    res: dict = {"shape": name, "H": H, "F": F, "K": K, "L": L, "tokens": T}
+    d_ms = dense_ms(rows, H, F, args.iters)
+    print(f"dense bf16 torch.mm (fc1 + fc2, same rows): {d_ms:.3f} ms = {tf(d_ms):.0f} TFLOP/s", flush=True)
+    res["dense_ms"] = d_ms
+
+    qs, _ = timeit(lambda: quantize_expert_weights(w1l, w2l), 3, 1)
+    q8 = quantize_expert_weights(w1l, w2l)
+    print(f"fp8 weight quantisation (once per optimizer step, torch ops): {qs:.3f} ms", flush=True)
+    res["weight_quant_ms"] = qs
+
+    kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    runs = {
+        "bf16": lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw),
+        "fp8": lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, fp8=q8, **kw),
+    }
+    n = min(args.err_tokens, T)
+    exact = exact_fp32([x[:n]], [idx[:n]], [w[:n]], w1l, w2l)[0]
+    for kind, fn in runs.items():
+        out = fn()[0][0]
+        mk.check_last_error()
+        err = rel_err(out[:n], exact)
+        ms, mn = timeit(fn, args.iters, 2)
+        ms_pipe = pipelined(fn, args.iters, 1)
+        mk.check_last_error()
+        res[kind] = {"ms": ms, "min_ms": mn, "pipelined_ms": ms_pipe, "rel_err_vs_fp32": err}
+        print(
+            f"MoK {kind:4s}: {ms:.3f} ms (min {mn:.3f}, back-to-back {ms_pipe:.3f}) = {tf(ms):.0f} TFLOP/s "
+            f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | rel err vs fp32 layer {err:.3e}",
+            flush=True,
+        )
+    b, f = res["bf16"]["ms"], res["fp8"]["ms"]
+    print(
+        f"SUMMARY {name}: bf16 {b:.3f} ms = {d_ms / b * 100:.1f}% of dense bf16 (target 85%) | fp8 {f:.3f} ms "
+        f"-> {b / f:.2f}x bf16 (target 1.4x) | rel err vs fp32: bf16 {res['bf16']['rel_err_vs_fp32']:.2e}, "
+        f"fp8 {res['fp8']['rel_err_vs_fp32']:.2e}",
+        flush=True,
+    )
+    results.append(res)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="kimi,dsv3")
+    ap.add_argument("--comm-sms", type=int, default=16)
+    ap.add_argument("--minibatch", type=int, default=2560)
+    ap.add_argument("--ring-slots", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--err-tokens", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import megatron_mok.kernel as mk
+
+    if not mk.is_available():
+        print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
+        return 1
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    results: list = []
+    for name in args.shapes.split(","):
+        bench(name.strip(), args, results)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
