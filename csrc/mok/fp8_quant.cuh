@@ -5,11 +5,13 @@
 //
 //   quantize_pull_row  comm SMs: read a bf16 x row from its source rank, write e4m3 + scales into the
 //                      ring slot (the slot row shrinks from 2H to H + H/32 bytes)
-//   rescale_acc        compute SMs: per-K-block scale promotion without a second accumulator. The
+//   rescale_half       compute SMs: per-K-block scale promotion without a second accumulator. The
 //                      accumulator is kept in units of the current block's scale s_kb = sa[row] * sb[col]:
 //                      before block kb's WGMMAs acc *= s_{kb-1} / s_kb, after the last acc *= s_last.
 //                      That is the same sum as sum_kb P_kb * s_kb (fp32 rounding aside) with 128
 //                      accumulator registers instead of 256, so the bf16 kernel's 128 x 256 tiles stay.
+//                      The two 128-column halves are separate MMA groups, so one half is rescaled
+//                      while the other half's MMAs run (the tensor pipe never drains).
 //   store_act_row_e4m3 fc1 epilogue: one row's 128 SwiGLU outputs of a tile (= one scale block) as e4m3
 //                      + its scale, 16-byte stores after a quad transpose.
 #pragma once
@@ -71,16 +73,15 @@ __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, flo
   }
 }
 
-// acc of a 64 x 256 WGMMA fragment: acc[4j + 2h + {0,1}] is row h (0/1) of this thread, column
-// 8j + 2(lane%4) + {0,1}; columns < 128 (j < 16) are column block 0, the rest block 1. f[2h + c].
-__device__ __forceinline__ void rescale_acc(float* acc, const float* f) {
+// One 128-column half of a 64 x 256 WGMMA fragment (acc or acc + 64): a[4j + 2h + {0,1}] (j < 16) is
+// row h (0/1) of this thread; row h is multiplied by f_h.
+__device__ __forceinline__ void rescale_half(float* a, float f0, float f1) {
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    const int c = j < 16 ? 0 : 1;
-    acc[4 * j + 0] *= f[c];
-    acc[4 * j + 1] *= f[c];
-    acc[4 * j + 2] *= f[2 + c];
-    acc[4 * j + 3] *= f[2 + c];
+  for (int j = 0; j < 16; ++j) {
+    a[4 * j + 0] *= f0;
+    a[4 * j + 1] *= f0;
+    a[4 * j + 2] *= f1;
+    a[4 * j + 3] *= f1;
   }
 }
 

@@ -96,6 +96,18 @@ __device__ __forceinline__ void wgmma_64x256x32_e4m3(uint64_t da, uint64_t db, f
   wgmma256_f8_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
 }
 
+// FP8 half tile: d[64] (+)= A(64 x 32 e4m3) * B(128 x 32 e4m3)^T, the layout of one 128-column half of
+// the m64n256 accumulator (d = acc or acc + 64), so promotion can overlap the other half's MMAs.
+using Wgmma128F8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+template <size_t... I>
+__device__ __forceinline__ void wgmma128_f8_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                                 std::index_sequence<I...>) {
+  Wgmma128F8::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+__device__ __forceinline__ void wgmma_64x128x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma128_f8_impl(da, db, d, accumulate, std::make_index_sequence<64>{});
+}
+
 __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(d[i]);
