@@ -56,7 +56,9 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   return s;
 }
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+// __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
+// makes ptxas drop the setmaxnreg budget (224) back to the launch bound (168 registers, spills).
+__device__ __forceinline__ float silu_f(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
 // ------------------------------------------------------------------------------------------------
 template <bool kFp8>
@@ -150,9 +152,17 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Comp
   const int lt = threadIdx.x & 127;
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   int prev = 0;
+  // scales are loaded one K block ahead: an L2 round trip per block would otherwise stall the promotion
+  float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
+  float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
   for (int kb = 0; kb < nk; ++kb) {
-    const float a0 = sa0 ? __ldcg(sa0 + kb) : 1.f, a1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
-    const float b0 = sb0 ? __ldg(sb0 + kb) : 1.f, b1 = sb1 ? __ldg(sb1 + kb) : 1.f;
+    const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
+    if (kb + 1 < nk) {
+      na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
+      na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
+      nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
+      nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
+    }
     mbar_wait(P, &sm.full[st], ph, q, 4);
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
@@ -164,7 +174,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Comp
       if (kb > 0) {
         cute::warpgroup_wait<1>();  // half c of block kb-1 has landed (the other half may still run)
         fence_acc(acc);
-        rescale_half(half, (pa0 * pb) / (a0 * b), (pa1 * pb) / (a1 * b));
+        rescale_half(half, __fdividef(pa0 * pb, a0 * b), __fdividef(pa1 * pb, a1 * b));
         if (c == 1 && lt == 0) Barrier::arrive(&sm.empty[prev]);  // both halves of block kb-1 are done
       }
       const uint64_t db = make_smem_desc_sw128(b_s + c * (kBTileBytes / 2));

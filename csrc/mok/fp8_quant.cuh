@@ -1,7 +1,7 @@
 // FP8 (e4m3) quantisation fused into the forward kernel (kernel.dtype fp8), DeepSeek-V3 recipe:
 // one fp32 scale per 1 x 128 block of an activation row, scale = max(amax / 448, 1e-12),
-// q = e4m3_rn_satfinite(x * (1 / scale)). megatron_mok/fp8.py computes the same in PyTorch, so a row
-// quantised by the pull dispatch is bit-identical to the oracle's.
+// q = e4m3_rn_satfinite(x * (1 / scale)), as megatron_mok/fp8.py computes it in PyTorch (up to an ulp
+// of the scale, see block_scale).
 //
 //   quantize_pull_row  comm SMs: read a bf16 x row from its source rank, write e4m3 + scales into the
 //                      ring slot (the slot row shrinks from 2H to H + H/32 bytes)
@@ -26,7 +26,18 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
 }
 
-__device__ __forceinline__ float block_scale(float amax) { return fmaxf(amax / kE4m3Max, kScaleTiny); }
+// No IEEE division anywhere in the kernel: its slow path is a subroutine CALL, and a call makes ptxas
+// give up the consumer warpgroups' setmaxnreg register budget (224) for the launch bound's 168.
+// __fdividef / inv_scale agree with the oracle's fp32 division and reciprocal to an ulp, which at
+// most moves one e4m3 rounding of a block (the tests compare at the recipe's tolerance).
+__device__ __forceinline__ float block_scale(float amax) { return fmaxf(__fdividef(amax, kE4m3Max), kScaleTiny); }
+// 1 / scale for a normal, finite scale (>= 1e-12): approximate reciprocal + one Newton step (the
+// correctly rounded __frcp_rn has a subroutine slow path, see above).
+__device__ __forceinline__ float inv_scale(float scale) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(scale));
+  return fmaf(r, fmaf(-scale, r, 1.0f), r);
+}
 
 // One warp pulls and quantises one row of H (multiple of 128) bf16 values. Iteration u covers 32 lanes x 8
 // values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly. Up to U
@@ -61,7 +72,7 @@ __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, flo
 #pragma unroll
       for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
       const float scale = block_scale(amax);
-      const float inv = 1.0f / scale;
+      const float inv = inv_scale(scale);
       if (v < nv) {
         uint2 q;
         q.x = e4m3x2(f[0] * inv, f[1] * inv) | (e4m3x2(f[2] * inv, f[3] * inv) << 16);
@@ -96,7 +107,7 @@ __device__ __forceinline__ void store_act_row_e4m3(uint8_t* dst, float* dst_scal
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const float scale = block_scale(amax);
-  const float inv = 1.0f / scale;
+  const float inv = inv_scale(scale);
   const int l = lane & 3;
 #pragma unroll
   for (int j0 = 0; j0 < 16; j0 += 8) {
