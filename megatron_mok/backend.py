@@ -46,8 +46,8 @@ def kernel_unavailable_reason(
         return f"megatron_mok.kernel failed to import: {exc}"
     if not kernel.is_available():
         return kernel.unavailable_reason()
-    if dtype != "bf16":
-        return f"kernel dtype {dtype} is not built yet (bf16 only)"
+    if dtype not in ("bf16", "fp8"):
+        return f"kernel dtype {dtype} is not built for this GPU (Hopper runs bf16 and fp8)"
     if world_size != 1 and not _symmetric_memory_available():
         return "EP > 1 needs torch symmetric memory (torch.distributed._symmetric_memory), not available here"
     return None
@@ -64,13 +64,19 @@ def _symmetric_memory_available() -> bool:
 _KERNEL_BACKENDS: dict = {}
 
 
-def kernel_backend(comm_sms: int, timeout_ms: float, backward_comm_sms: int = 0, owner_capacity_factor: float = 0.0):
+def kernel_backend(
+    comm_sms: int,
+    timeout_ms: float,
+    backward_comm_sms: int = 0,
+    owner_capacity_factor: float = 0.0,
+    dtype: str = "bf16",
+):
     """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
     symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
     layer's forward and backward advance in the same order on all ranks."""
     from .kernel_backend import KernelBackend
 
-    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms), float(owner_capacity_factor))
+    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms), float(owner_capacity_factor), dtype)
     b = _KERNEL_BACKENDS.get(key)
     if b is None:
         b = _KERNEL_BACKENDS[key] = KernelBackend(
@@ -78,6 +84,7 @@ def kernel_backend(comm_sms: int, timeout_ms: float, backward_comm_sms: int = 0,
             timeout_ms=timeout_ms,
             backward_comm_sms=backward_comm_sms,
             owner_capacity_factor=owner_capacity_factor,
+            dtype=dtype,
         )
     return b
 
@@ -94,10 +101,19 @@ def select_backend(
 ):
     want = requested_backend()
     if dtype != "bf16":
-        # neither backend implements it yet: running bf16 instead would silently change numerics and speed
-        raise MokBackendError(
-            f"kernel.dtype {dtype!r} is not implemented yet (bf16 only); set kernel.dtype: bf16 in the MoK config"
+        # only the kernel has the FP8 recipe: a reference (bf16 / fp32) run instead would silently change
+        # numerics and speed, so anything but the kernel is an error
+        reason = (
+            "MOK_BACKEND=reference"
+            if want == "reference"
+            else kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
         )
+        if reason is not None:
+            raise MokBackendError(
+                f"kernel.dtype {dtype!r} runs only on the MoK kernel (Hopper sm_90a: bf16, fp8), which cannot run "
+                f"here: {reason}; set kernel.dtype: bf16 in the MoK config"
+            )
+        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, dtype)
     if want == "reference":
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)

@@ -7,6 +7,11 @@ then the wgrad kernel (fp32 expert weight gradients from the layout-order buffer
 stream, no host sync; ``MOK_WGRAD=mm`` uses per-expert cuBLAS GEMMs instead, a diagnostic).
 ``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
 
+``dtype="fp8"`` (config ``kernel.dtype: fp8``): the FP8 forward kernel (e4m3, 1 x 128 activation /
+128 x 128 weight block scales; the expert weights quantised once per weight version, cached). The
+backward is still the bf16 kernel, from the saved fc1 output of the FP8 forward (or a bf16 recompute)
+and the bf16 weights: a straight-through FP8 forward; an FP8 dgrad is the next step (issue #5).
+
 EP > 1 (one process per GPU, NCCL group): both kernels are launched per rank over torch symmetric
 memory (``kernel.peer_ep.mok_forward_rank``, ``kernel.backward.mok_backward_rank``); the ranks meet on
 signal pads inside the kernels. ``MOK_BACKWARD=reference`` runs the reference backward over the process
@@ -42,7 +47,12 @@ class KernelBackend:
         check: bool | str | None = None,
         backward_comm_sms: int = 0,
         owner_capacity_factor: float = 0.0,
+        dtype: str = "bf16",
     ) -> None:
+        if dtype not in ("bf16", "fp8"):
+            raise ValueError(f"KernelBackend dtype must be 'bf16' or 'fp8', got {dtype!r}")
+        self.dtype = dtype
+        self._fp8_cache = None  # kernel.fp8_weights.Fp8WeightCache (dtype fp8)
         self.comm_sms = comm_sms
         self.backward_comm_sms = backward_comm_sms or comm_sms  # the config resolves its default
         self.timeout_ms = timeout_ms
@@ -71,6 +81,16 @@ class KernelBackend:
             cap = max(T, b.region.tokens_cap if b is not None else 0)
             self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device)
         return b
+
+    def _fp8_weights(self, w1, w2):
+        """Fp8ExpertWeights of one owner's experts (as a one-rank list), or None for the bf16 kernel."""
+        if self.dtype != "fp8":
+            return None
+        from .kernel.fp8_weights import Fp8WeightCache
+
+        if self._fp8_cache is None:
+            self._fp8_cache = Fp8WeightCache()
+        return self._fp8_cache.experts([list(w1)], [list(w2)])
 
     def owner_rows(self, world: int, T: int, K: int) -> int:
         """Rows of an owner rank's row buffers at EP = world: every routed row (dropless worst case) or
@@ -107,6 +127,7 @@ class KernelBackend:
             timeout_ms=self.timeout_ms,
             check=self.check,
             saved_h=saved_h,
+            fp8=self._fp8_weights(w1, w2),
         )
         state = {
             "x": x.detach(),
@@ -200,6 +221,7 @@ class KernelBackend:
             timeout_ms=self.timeout_ms,
             check=self.check,
             saved_h=saved_h,
+            fp8=self._fp8_weights(w1, w2),
         )
         # Nothing here reads device values on the host (errors are checked lazily): the layout the
         # interim backward needs is

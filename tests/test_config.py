@@ -147,14 +147,43 @@ def test_resolve_order(monkeypatch, tmp_path):
     assert derived.source.startswith("<derived") and derived.model.hidden_size == 96
 
 
-def test_fp8_dtype_is_a_clear_error_not_a_silent_bf16_run():
+def test_fp8_dtype_without_the_kernel_is_a_clear_error_not_a_silent_bf16_run(monkeypatch):
     import torch
 
     from megatron_mok.backend import MokBackendError, select_backend
 
-    with pytest.raises(MokBackendError, match="kernel.dtype 'fp8' is not implemented yet"):
+    # only the kernel has the FP8 recipe: on CPU, or with the reference forced, fp8 is an error
+    with pytest.raises(MokBackendError, match="kernel.dtype 'fp8' runs only on the MoK kernel.*tensors are on cpu"):
         select_backend(torch.device("cpu"), 1, "fp8", torch.bfloat16)
+    monkeypatch.setenv("MOK_BACKEND", "reference")
+    with pytest.raises(MokBackendError, match="MOK_BACKEND=reference"):
+        select_backend(torch.device("cpu"), 1, "fp8", torch.bfloat16)
+    monkeypatch.delenv("MOK_BACKEND")
     assert select_backend(torch.device("cpu"), 1, "bf16", torch.float32).name == "reference"
+
+
+def test_kernel_backend_fp8_weights_are_cached_per_weight_version():
+    import torch
+
+    from megatron_mok import fp8
+    from megatron_mok.kernel_backend import KernelBackend
+
+    with pytest.raises(ValueError, match="dtype must be 'bf16' or 'fp8'"):
+        KernelBackend(dtype="mxfp8")
+    assert KernelBackend()._fp8_weights([torch.zeros(256, 128)], [torch.zeros(128, 128)]) is None  # bf16
+    b = KernelBackend(dtype="fp8")
+    w1 = [torch.randn(256, 128) for _ in range(2)]
+    w2 = [torch.randn(128, 128) for _ in range(2)]
+    q = b._fp8_weights(w1, w2)
+    q.validate(1, 2, 128, 128, torch.device("cpu"))
+    want_q, want_s = fp8.quantize_weight_128x128(w1[1])
+    assert torch.equal(q.w1q[0][1].float(), want_q.float()) and torch.equal(q.w1s[0][1], want_s)
+    again = b._fp8_weights(w1, w2)
+    assert again.w2q[0][0] is q.w2q[0][0], "unchanged weight was re-quantised"
+    w2[0].mul_(3.0)  # in place, as an optimizer step: the version counter moves
+    moved = b._fp8_weights(w1, w2)
+    assert moved.w2q[0][0] is not q.w2q[0][0] and torch.allclose(moved.w2s[0][0], 3 * q.w2s[0][0])
+    assert moved.w1q[0][0] is q.w1q[0][0]
 
 
 def test_backward_comm_sms_default_and_explicit():

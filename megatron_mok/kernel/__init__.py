@@ -1,4 +1,4 @@
-"""MoK megakernels (BF16, Hopper sm_90a): Python entry points.
+"""MoK megakernels (BF16 and FP8 e4m3 with block scales, Hopper sm_90a): Python entry points.
 
 Importing this module is cheap and safe on CPU-only machines: torch is imported, nothing is built.
 The CUDA library is JIT-compiled with nvcc on first use (see ``build.py``) and cached.
@@ -8,8 +8,9 @@ Contract (used by the dispatcher):
   unavailable_reason() -> str
   MokKernelError(RuntimeError)
   mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms, ring_slots, minibatch_tokens,
-                       timeout_ms=10000.0, debug_stall=None)
+                       timeout_ms=10000.0, debug_stall=None, saved_h=None, fp8=None)
       -> (out[r] [T_r, H] bf16, combine_buf[r] [T_r, K, H] bf16, tokens_per_expert[q] [L] int32)
+      fp8=Fp8ExpertWeights (fp8_weights.py: quantize_expert_weights / Fp8WeightCache) runs the FP8 kernel
   PeerBuffers / mok_forward_rank (peer_ep.py): per-rank launches, real EP over torch symmetric memory
   backward.py: mok_backward_emulated / mok_backward_rank (the backward kernel, same launch shapes);
       imported on demand (``from megatron_mok.kernel.backward import ...``), it has its own library

@@ -211,3 +211,57 @@ def test_lazy_error_check_reports_a_stall_without_host_sync():
     out, _, _ = kernel.mok_forward_emulated(xs, idx, ws, w1, w2, **kw, check="lazy")
     kernel.check_pending_errors(wait=True)  # a clean launch leaves nothing pending
     assert torch.isfinite(out[0].float()).all()
+
+
+@pytest.mark.parametrize("save_fc1_output", [True, False])
+def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
+    """kernel.dtype fp8 through the autograd path: FP8 forward kernel, bf16 backward kernel. Output and
+    every gradient stay within the FP8 recipe's error of the bf16 backend's; weights are quantised once
+    per weight version (an in-place update re-quantises)."""
+    _kernel_or_skip()
+    from routings import make_topk
+
+    from megatron_mok.backend import select_backend
+    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.transport import run_emulated
+
+    g = torch.Generator().manual_seed(9)
+    L, H, F, K, T = 4, 512, 256, 4, 700
+    dev = torch.device("cuda")
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    idx = make_topk("skewed", T, L, K, g).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)]
+    w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
+    go = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    ring = RingSpec(minibatch_tokens=256, ring_slots=2)
+
+    def run(dtype, ps):
+        backend = select_backend(dev, 1, dtype, torch.bfloat16, comm_sms=2, timeout_ms=5000.0)
+        assert backend.name == "kernel" and backend.dtype == dtype
+
+        def body(tp):
+            xx = x.clone().requires_grad_()
+            ww = w.clone().requires_grad_()
+            plan = MokPlan(tp, L, ring, save_fc1_output=save_fc1_output)
+            out = mok_moe(xx, idx, ww, ps[:L], ps[L:], plan, backend)
+            out.backward(go)
+            return [out.detach(), xx.grad, ww.grad] + [p.grad for p in ps]
+
+        return backend, run_emulated(1, body)[0]
+
+    p16 = [t.clone().requires_grad_() for t in (*w1, *w2)]
+    p8 = [t.clone().requires_grad_() for t in (*w1, *w2)]
+    _, ref = run("bf16", p16)
+    backend8, got = run("fp8", p8)
+    names = ["out", "grad x", "grad probs"] + [f"grad w1[{e}]" for e in range(L)] + [f"grad w2[{e}]" for e in range(L)]
+    for name, a, b in zip(names, got, ref):
+        assert torch.isfinite(a.float()).all(), f"{name}: not finite"
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 0.1, f"{name}: fp8 vs bf16 rel err {err:.3e}"
+    assert len(backend8._fp8_cache._entries) == 2 * L
+    q_before = backend8._fp8_cache.get(p8[0])[0]
+    assert backend8._fp8_cache.get(p8[0])[0] is q_before, "unchanged weight re-quantised"
+    with torch.no_grad():
+        p8[0].mul_(0.5)  # an optimizer step
+    assert backend8._fp8_cache.get(p8[0])[0] is not q_before, "updated weight served from the stale cache"
