@@ -252,8 +252,12 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
             f"must be 0 (worst case, EP x T x top-k rows) or >= 1.0 (x the fair share T x top-k), "
             f"got {spec.owner_capacity_factor}",
         )
-    if (spec.dtype != "bf16") and model.hidden_size % 128:
-        raise bad("dtype", f"{spec.dtype} block scales need hidden_size % 128 == 0, got {model.hidden_size}")
+    if (spec.dtype != "bf16") and (model.hidden_size % 128 or model.moe_ffn_hidden_size % 128):
+        raise bad(
+            "dtype",
+            f"{spec.dtype} block scales need hidden_size and moe_ffn_hidden_size multiples of 128, got "
+            f"{model.hidden_size} / {model.moe_ffn_hidden_size}",
+        )
 
     derived = min_minibatch_tokens(
         model.moe_ffn_hidden_size, spec.compute_sms, spec.gemm_tile_m, spec.gemm_tile_n, spec.minibatch_align

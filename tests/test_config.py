@@ -203,3 +203,11 @@ def test_owner_capacity_factor_sizes_the_owner_row_buffers():
     assert KernelBackend(owner_capacity_factor=2.0).owner_rows(8, T, K) == 2 * T * K
     assert KernelBackend(owner_capacity_factor=1.25).owner_rows(8, 3, 3) == 12  # ceil(11.25)
     assert KernelBackend(owner_capacity_factor=16.0).owner_rows(8, T, K) == 8 * T * K  # never above the worst case
+
+
+def test_fp8_dtype_needs_whole_scale_blocks():
+    assert parse_config(_with("kernel", dtype="fp8")).kernel.dtype == "fp8"
+    raw = _with("kernel", dtype="fp8")
+    raw["model"]["moe_ffn_hidden_size"] = 192  # 1.5 blocks of 128
+    with pytest.raises(MokConfigError, match="multiples of 128.*/ 192"):
+        parse_config(raw, "cfg.yaml")

@@ -52,46 +52,59 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
 }
 
 // worker: warp index among this rank's participating warps; nworkers: their number.
+// Each lane sums two 8-column vectors (v, v + 32) at a time over 8 k at a time: 16 loads of 16 B in
+// flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so bytes in flight set its
+// speed; one vector per lane left it at about half the device's copy rate.
 __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
-  const int H = P.H, K = P.K;
+  const int H = P.H, K = P.K, nv = H / 8;
   for (int t = worker; t < rt.T; t += nworkers) {
     const int* idx = rt.idx + (long long)t * K;
     const float* w = rt.w + (long long)t * K;
     const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
     uint4* out = reinterpret_cast<uint4*>(rt.out + (long long)t * H);
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8];
+    for (int v0 = lane; v0 < nv; v0 += 64) {
+      const int v1 = v0 + 32;
+      const bool has1 = v1 < nv;
+      float acc[2][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows in flight, then accumulate in k order
-        uint4 d[8];
+      for (int i = 0; i < 8; ++i) acc[0][i] = acc[1][i] = 0.f;
+      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows x 2 vectors in flight, then accumulate in k order
+        uint4 d[2][8];
         float wk[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
           const bool ok = k < K && idx[k] >= 0;
           wk[u] = ok ? w[k] : 0.f;
-          d[u] = ok ? cb[(long long)k * (H / 8) + v] : make_uint4(0, 0, 0, 0);
+          d[0][u] = ok ? cb[(long long)k * nv + v0] : make_uint4(0, 0, 0, 0);
+          d[1][u] = ok && has1 ? cb[(long long)k * nv + v1] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[u]);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(p[i]);
-            acc[2 * i] = fmaf(wk[u], f.x, acc[2 * i]);
-            acc[2 * i + 1] = fmaf(wk[u], f.y, acc[2 * i + 1]);
+          for (int h = 0; h < 2; ++h) {
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[h][u]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 f = __bfloat1622float2(p[i]);
+              acc[h][2 * i] = fmaf(wk[u], f.x, acc[h][2 * i]);
+              acc[h][2 * i + 1] = fmaf(wk[u], f.y, acc[h][2 * i + 1]);
+            }
           }
         }
       }
-      uint4 o;
-      __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) po[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      out[v] = o;
+      for (int h = 0; h < 2; ++h) {
+        if (h == 1 && !has1) break;
+        uint4 o;
+        __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) po[i] = __floats2bfloat162_rn(acc[h][2 * i], acc[h][2 * i + 1]);
+        out[h ? v1 : v0] = o;
+      }
     }
   }
 }
