@@ -23,6 +23,7 @@
 #include "gemm_sm90.cuh"
 #include "push_combine.cuh"
 #include "peer_sync.cuh"
+#include "pull_dispatch.cuh"
 #include "ring_buffer.cuh"
 #include "timeline.cuh"
 #include "timeout.cuh"
@@ -101,7 +102,7 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       bool ok;
       if (kind == 1)  // from the second round on a slot's dispatch waits for its previous combine: a stall
                       // upstream is reported by that round's own waiters first (secondary, slack 2)
-        ok = wait_counter_geq(P, ctr_ready(P, q, mb), (unsigned)P.comm_sms, q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
+        ok = wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
       else
         ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done,
                               2);  // secondary: a stalled dispatch is reported by its own waiters first

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
     }
   } else {
+    compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
     if (!compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
