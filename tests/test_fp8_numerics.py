@@ -54,3 +54,27 @@ def test_bad_shapes_are_clear_errors():
         fp8.quantize_weight_128x128(torch.randn(100, 128))
     with pytest.raises(TypeError, match="floating"):
         fp8.quantize_act_1x128(torch.ones(4, 128, dtype=torch.int32))
+
+
+def test_fp8_weight_cache_follows_optimizer_steps_through_param_data():
+    """Megatron writes updated weights through ``param.data`` (no version bump): the cache must still
+    re-quantise after an optimizer step, and keep its copy between steps (micro-batches)."""
+    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+
+    p = torch.nn.Parameter(torch.randn(128, 256))
+    cache = Fp8WeightCache()
+    q0, s0 = cache.get(p)
+    assert cache.get(p)[0] is q0  # unchanged: one quantisation per step
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()  # the global step post-hook invalidates the cache
+    q1, _ = cache.get(p)
+    assert q1 is not q0
+    torch.testing.assert_close(q1.float(), fp8.quantize_weight_128x128(p.detach())[0].float())
+    with torch.no_grad():
+        p.data.copy_(torch.randn(128, 256))  # Megatron-style update: p._version does not move ...
+    assert cache.get(p)[0] is q1  # ... so without a step the cache cannot see it: weights_changed() says so
+    weights_changed()
+    q2, s2 = cache.get(p)
+    assert q2 is not q1
+    torch.testing.assert_close(s2, fp8.quantize_weight_128x128(p.detach())[1])

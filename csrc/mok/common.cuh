@@ -163,7 +163,8 @@ __host__ __device__ inline long long ctr_count(int nparts, int mb_cap, int mt_ma
 __device__ __forceinline__ unsigned* ctr_grid_barrier(const Params& P) { return P.counters + 0; }
 __device__ __forceinline__ unsigned* ctr_compute_done(const Params& P) { return P.counters + 1; }
 __device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return P.counters + 2 + part(P, q); }
-// +1 per comm CTA once minibatch mb sits in its ring slot
+// +1 per pulling CTA once its share of minibatch mb sits in its ring slot (ready_target: every CTA of the
+// rank for minibatch 0, the comm CTAs for the rest)
 __device__ __forceinline__ unsigned* ctr_ready(const Params& P, int q, int mb) {
   return P.counters + 2 + P.nparts + (long long)part(P, q) * P.mb_cap + mb;
 }

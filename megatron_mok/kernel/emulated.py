@@ -208,8 +208,10 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
 
 def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H: int, F: int, device) -> None:
     """Expert weight pointers of the owner ranks ``ranks`` (this launch's) into the launch struct: the
-    bf16 weights, or with ``fp8`` (Fp8ExpertWeights over all R ranks) the e4m3 copies and their scales."""
+    bf16 weights w1[q] / w2[q], or with ``fp8`` (Fp8ExpertWeights holding exactly len(w1) ranks, like
+    w1 / w2) the e4m3 copies and their scales."""
     ranks = list(ranks)
+    nranks = len(w1)
     if fp8 is None:
         args.fp8 = 0
         args.w1 = arrays.u64([w1[q][e].data_ptr() for q in ranks for e in range(L)])
@@ -221,9 +223,7 @@ def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H
 
     if not isinstance(fp8, Fp8ExpertWeights):
         _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.fp8_weights), got {type(fp8).__name__}")
-    fp8.validate(len(fp8.w1q), L, H, F, device)
-    if max(ranks) >= len(fp8.w1q):
-        _fail(f"fp8 weights cover {len(fp8.w1q)} ranks, the launch needs rank {max(ranks)}")
+    fp8.validate(nranks, L, H, F, device)
     args.fp8 = 1
     args.w1 = arrays.u64([fp8.w1q[q][e].data_ptr() for q in ranks for e in range(L)])
     args.w1_ld = arrays.i64([H for _ in ranks for _ in range(L)])

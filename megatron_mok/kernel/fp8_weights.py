@@ -2,8 +2,12 @@
 
 Weights change once per optimizer step, so they are quantised outside the kernel (the activations are
 quantised inside it: in the pull dispatch and the SwiGLU epilogue) and cached: ``Fp8WeightCache``
-re-quantises a weight only when its storage or its autograd version counter changed, so the
-micro-batches of one step and the backward share one quantisation.
+re-quantises a weight when its storage or its autograd version counter changed, or after any optimizer
+step. Megatron's optimizers write the new weights through ``param.data`` (and the distributed optimizer
+through its parameter buffer), which leaves the version counter alone, so the cache also keys on a
+generation that a global ``torch.optim`` step post-hook advances (installed with the first cache);
+code that changes weights any other way calls :func:`weights_changed`. Micro-batches of one step
+share one quantisation.
 """
 
 from __future__ import annotations
@@ -14,6 +18,23 @@ from dataclasses import dataclass
 import torch
 
 from .. import fp8
+
+_generation = 0
+_step_hook = None
+
+
+def weights_changed() -> None:
+    """Invalidate every cached FP8 weight (called after each optimizer step by the hook below)."""
+    global _generation
+    _generation += 1
+
+
+def _install_optimizer_hook() -> None:
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(lambda _opt, _args, _kwargs: weights_changed())
 
 
 @dataclass
@@ -27,6 +48,8 @@ class Fp8ExpertWeights:
     w2s: list[list[torch.Tensor]]
 
     def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
+        """R owner ranks of L experts each, fc1 [2F, H] / fc2 [H, F]: shapes, dtypes, placement."""
+
         def fail(msg: str) -> None:
             raise ValueError(f"fp8 expert weights: {msg}")
 
@@ -55,13 +78,14 @@ class Fp8WeightCache:
     """Quantised copies of bf16 weights, reused while the weight is unchanged."""
 
     def __init__(self) -> None:
+        _install_optimizer_hook()
         # id(w) -> (weak reference to w, its storage/version key, e4m3 copy, scales); the weak reference
         # makes a new tensor that reuses a freed one's id (and maybe its memory) a miss, not a stale hit
         self._entries: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple:
-        return (w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
+        return (w.data_ptr(), w._version, _generation, tuple(w.shape), tuple(w.stride()), w.dtype, w.device)
 
     def get(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         key = self._key(w)

@@ -142,7 +142,13 @@ def test_stall_times_out_and_recovers(kernel):
     _run_case(kernel, 2, 4, Ts=[600, 600], mode="uniform", ring_slots=2, minibatch=128, seed=22, **SMALL)
 
 
-def _stall(kernel):
+def test_stall_of_the_first_slot_times_out_and_names_it(kernel):
+    # slot 0 holds minibatch 0, which every CTA of the rank pulls (its ready counter counts them all)
+    with pytest.raises(kernel.MokKernelError, match=r"timed out: rank 1 slot 0"):
+        _stall(kernel, slot=0)
+
+
+def _stall(kernel, slot=1):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(3)
@@ -160,7 +166,7 @@ def _stall(kernel):
         ring_slots=2,
         minibatch_tokens=128,
         timeout_ms=300.0,
-        debug_stall=(1, 1),
+        debug_stall=(1, slot),
     )
 
 
