@@ -10,6 +10,7 @@ For each slice (emulated EP 1, one launch, same inputs):
 Prints ms, TFLOP/s (2*rows*H*2F + 2*rows*F*H), bf16 / dense, fp8 speedup over bf16, and both kernels'
 relative error vs the fp32 layer (first --err-tokens tokens).
     python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
+        [--sweep-comm 8,12 --sweep-mb 4096,6144]   # both kernels over this grid too; each at its best
 """
 
 from __future__ import annotations
@@ -88,22 +89,28 @@ def bench(name: str, args, results: list) -> None:
             f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | rel err vs fp32 layer {err:.3e}",
             flush=True,
         )
-    for comm in args.fp8_sweep_comm:  # the fp8 pull quantises: it may want another SM split
-        for mb in args.fp8_sweep_mb:
-            kw2 = dict(kw, comm_sms=comm, minibatch_tokens=mb)
+    # each kernel at its best SM split / minibatch (the fp8 pull quantises, its GEMMs are shorter)
+    for kind in ("bf16", "fp8"):
+        res[kind].update(comm_sms=args.comm_sms, minibatch=args.minibatch)
+        for comm in args.sweep_comm:
+            for mb in args.sweep_mb:
+                kw2 = dict(kw, comm_sms=comm, minibatch_tokens=mb)
+                extra = {"fp8": q8} if kind == "fp8" else {}
 
-            def fn2(kw2=kw2):
-                return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, fp8=q8, **kw2)
+                def fn2(kw2=kw2, extra=extra):
+                    return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw2, **extra)
 
-            ms, _ = timeit(fn2, args.iters, 2)
-            mk.check_last_error()
-            print(f"  fp8 comm_sms={comm} minibatch={mb}: {ms:.3f} ms = {tf(ms):.0f} TFLOP/s", flush=True)
-            res.setdefault("fp8_sweep", []).append({"comm_sms": comm, "minibatch": mb, "ms": ms})
-            if ms < res["fp8"]["ms"]:
-                res["fp8"].update(ms=ms, comm_sms=comm, minibatch=mb)
+                ms, _ = timeit(fn2, args.iters, 2)
+                mk.check_last_error()
+                print(f"  {kind} comm_sms={comm} minibatch={mb}: {ms:.3f} ms = {tf(ms):.0f} TFLOP/s", flush=True)
+                res.setdefault(f"{kind}_sweep", []).append({"comm_sms": comm, "minibatch": mb, "ms": ms})
+                if ms < res[kind]["ms"]:
+                    res[kind].update(ms=ms, comm_sms=comm, minibatch=mb)
     b, f = res["bf16"]["ms"], res["fp8"]["ms"]
     print(
-        f"SUMMARY {name}: bf16 {b:.3f} ms = {d_ms / b * 100:.1f}% of dense bf16 (target 85%) | fp8 {f:.3f} ms "
+        f"SUMMARY {name}: bf16 {b:.3f} ms (comm {res['bf16']['comm_sms']}, minibatch {res['bf16']['minibatch']}) = "
+        f"{d_ms / b * 100:.1f}% of dense bf16 (target 85%) | fp8 {f:.3f} ms (comm {res['fp8']['comm_sms']}, "
+        f"minibatch {res['fp8']['minibatch']}) "
         f"-> {b / f:.2f}x bf16 (target 1.4x) | rel err vs fp32: bf16 {res['bf16']['rel_err_vs_fp32']:.2e}, "
         f"fp8 {res['fp8']['rel_err_vs_fp32']:.2e}",
         flush=True,
@@ -120,8 +127,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--err-tokens", type=int, default=2048)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--fp8-sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
-    ap.add_argument("--fp8-sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
+    ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
+    ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
     args = ap.parse_args()
     import megatron_mok.kernel as mk
 
