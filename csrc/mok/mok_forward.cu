@@ -15,9 +15,11 @@
 //   mok_forward_rank_launch(args, stream, errbuf, errlen)     -> 0 on success
 //   mok_device_info(dev, &num_sms, &major, &minor)
 //   mok_fp8_gemm_workspace_bytes / mok_fp8_gemm_launch: the FP8 block-scaled grouped GEMM unit (fp8_gemm.cuh)
+//   mok_fp8_quantize_weight: e4m3 + 128 x 128 block scales of a bf16 weight (fp8_weight_quant.cuh)
 #include "common.cuh"
 #include "expert_ffn.cuh"
 #include "fp8_gemm.cuh"
+#include "fp8_weight_quant.cuh"
 #include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
 #include "push_combine.cuh"
@@ -598,6 +600,29 @@ int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf,
   MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
   const unsigned grid = (unsigned)std::min<long long>(num_sms, tiles);
   mok::fp8::mok_fp8_gemm_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// FP8 weight quantisation (fp8_weight_quant.cuh): once per optimizer step, bit-identical to the oracle
+// =================================================================================================
+extern "C" {
+
+int mok_fp8_quantize_weight(unsigned long long w, long long ld, int N, int K, unsigned long long q,
+                            unsigned long long s, int device, void* stream_ptr, char* errbuf, int errlen) {
+  if (N < 128 || K < 128 || N % 128 || K % 128)
+    return write_err(errbuf, errlen, "fp8 weight [%d, %d]: both sizes must be positive multiples of 128", N, K);
+  if (ld < K || ld % 8) return write_err(errbuf, errlen, "fp8 weight: row stride %lld must be >= K and a multiple of 8", ld);
+  if (!w || !q || !s || w % 16 || q % 16)
+    return write_err(errbuf, errlen, "fp8 weight: null or not 16-byte aligned weight / output pointer");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  mok::mok_fp8_quantize_weight_kernel<<<dim3((unsigned)(K / 128), (unsigned)(N / 128)), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(w), ld, K, reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(s));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

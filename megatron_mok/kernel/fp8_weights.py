@@ -12,6 +12,7 @@ share one quantisation.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 from dataclasses import dataclass
 
@@ -21,6 +22,39 @@ from .. import fp8
 
 _generation = 0
 _step_hook = None
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 [N / 128, K / 128]) as ``fp8.quantize_weight_128x128`` computes it
+    (bit-identical): on a CUDA bf16 weight with the MoK library one kernel that reads w once
+    (csrc/mok/fp8_weight_quant.cuh), else the PyTorch recipe."""
+    if not (w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1):
+        return fp8.quantize_weight_128x128(w)
+    from .emulated import load_library
+    from .errors import MokKernelError
+
+    N, K = w.shape
+    if N % fp8.BLOCK or K % fp8.BLOCK:
+        raise ValueError(f"weights: shape {tuple(w.shape)} must be multiples of {fp8.BLOCK} in both dimensions")
+    lib = load_library()
+    if not getattr(lib, "_mok_wq_bound", False):
+        lib.mok_fp8_quantize_weight.restype = ctypes.c_int
+        lib.mok_fp8_quantize_weight.argtypes = [
+            ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong,
+            ctypes.c_ulonglong, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
+        ]  # fmt: skip
+        lib._mok_wq_bound = True
+    q = torch.empty((N, K), dtype=torch.float8_e4m3fn, device=w.device)
+    sc = torch.empty((N // fp8.BLOCK, K // fp8.BLOCK), dtype=torch.float32, device=w.device)
+    dev = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    ebuf = ctypes.create_string_buffer(512)
+    stream = torch.cuda.current_stream(w.device).cuda_stream
+    rc = lib.mok_fp8_quantize_weight(
+        w.data_ptr(), w.stride(0), N, K, q.data_ptr(), sc.data_ptr(), dev, ctypes.c_void_p(stream), ebuf, 512
+    )
+    if rc != 0:
+        raise MokKernelError(f"MoK fp8 weight quantisation failed: {ebuf.value.decode(errors='replace')}")
+    return q, sc
 
 
 def weights_changed() -> None:
@@ -93,7 +127,7 @@ class Fp8WeightCache:
         if hit is not None and hit[0]() is w and hit[1] == key:
             return hit[2], hit[3]
         with torch.no_grad():
-            q, s = fp8.quantize_weight_128x128(w.detach())
+            q, s = quantize_weight(w.detach())
         q, s = q.contiguous(), s.contiguous()
         self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # drop dead weights
         self._entries[id(w)] = (weakref.ref(w), key, q, s)

@@ -144,3 +144,21 @@ def test_fp8_bad_inputs_are_clear_errors(kernel):
     x2, idx2, wts2, w12, w22 = _inputs(1, 2, 192, 256, 2, [64], "uniform", seed=1)  # H = 192: not whole blocks
     with pytest.raises(ValueError, match="multiples of 128"):
         kernel.mok_forward_emulated(x2, idx2, wts2, w12, w22, fp8=q8, **kw)
+
+
+@pytest.mark.parametrize("N,K,strided", [(256, 384, False), (128, 128, False), (4096, 7168, False), (512, 256, True)])
+def test_fp8_weight_quantisation_kernel_is_bit_identical_to_the_oracle(kernel, N, K, strided):
+    from megatron_mok import fp8
+    from megatron_mok.kernel.fp8_weights import quantize_weight
+
+    g = torch.Generator(device="cuda").manual_seed(N + K)
+    big = torch.randn((N, K + (64 if strided else 0)), generator=g, device="cuda") / 30
+    big[:128, :128] = 0  # an all-zero block: the tiny scale
+    big[-1, -1] = 1e4  # one block with a very different range
+    w = big.bfloat16()[:, :K]
+    q, s = quantize_weight(w)
+    want_q, want_s = fp8.quantize_weight_128x128(w)
+    assert torch.equal(s, want_s), "block scales differ from the oracle"
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "e4m3 values differ from the oracle"
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_weight(w[:, :100])

@@ -97,6 +97,42 @@ def test_rank_launches_match_emulated_and_truth(kernel, R, mode):
             assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("R", [1, 2, 4])
+def test_fp8_rank_launches_match_emulated(kernel, R):
+    """The FP8 kernel per rank (each rank passes its own experts' e4m3 weights): the emulated FP8
+    launch's bits, twice in a row."""
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+
+    L, H, F, K, T = 4, 512, 256, 4, 700
+    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256)
+    bufs = PeerBuffers.on_one_gpu(R, T + 100, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    for call in range(2):
+        x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "skewed", seed=300 + 10 * R + call)
+        q8 = quantize_expert_weights(w1, w2)
+        per_rank = [quantize_expert_weights([w1[r]], [w2[r]]) for r in range(R)]
+        res = {}
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        from megatron_mok.kernel.peer_ep import mok_forward_rank
+
+        for r in range(R):
+            streams[r].wait_stream(torch.cuda.current_stream())
+            res[r] = mok_forward_rank(
+                bufs[r], x[r], idx[r], wts[r], w1[r], w2[r], ctas=sms // R, stream=streams[r], check=False,
+                timeout_ms=5000.0, fp8=per_rank[r], **cfg,
+            )  # fmt: skip
+        for r in range(R):
+            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        torch.cuda.synchronize()
+        emu_out, emu_comb, emu_tpe = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **cfg, fp8=q8)
+        for r in range(R):
+            out, comb, tpe = res[r]
+            assert torch.equal(tpe, emu_tpe[r])
+            assert torch.equal(comb, emu_comb[r]), f"rank {r}: fp8 combine differs from the emulated launch"
+            assert torch.equal(out, emu_out[r]), f"rank {r}: fp8 out differs from the emulated launch"
+
+
 def test_missing_rank_times_out_naming_it(kernel):
     from megatron_mok.kernel import MokKernelError
     from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
