@@ -8,7 +8,7 @@ grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``).
 * GEMMs accumulate in fp32, the scale of each 128-wide K block applied to its partial sum; outputs bf16.
 
 Scales map each block's absolute maximum to the e4m3 maximum (448), so no value saturates:
-``scale = max(amax / 448, 1e-12)`` and ``q = e4m3(x * (1 / scale))`` (round to nearest even), all in
+``scale = max(amax * fp32(1 / 448), 1e-12)`` and ``q = e4m3(x * (1 / scale))`` (round to nearest even), all in
 fp32 -- the kernel computes exactly this, so its quantised rows are bit-identical to these.
 """
 
@@ -19,6 +19,9 @@ import torch
 BLOCK = 128
 E4M3_MAX = 448.0
 _TINY = 1e-12  # all-zero blocks get a tiny scale instead of a division by zero
+# amax * fp32(1/448), not amax / 448: torch's CUDA division by a scalar multiplies by the reciprocal
+# while the CPU divides, so this is the one form that is the same bits on CPU, GPU and in the kernels
+_INV_MAX = 1.0 / E4M3_MAX
 
 
 def _check_blocks(t: torch.Tensor, name: str, dims: tuple[int, ...]) -> None:
@@ -36,7 +39,7 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check_blocks(x, "activations", (1,))
     T, H = x.shape
     blocks = x.float().view(T, H // BLOCK, BLOCK)
-    scale = (blocks.abs().amax(dim=2) / E4M3_MAX).clamp_min(_TINY)
+    scale = (blocks.abs().amax(dim=2) * _INV_MAX).clamp_min(_TINY)
     q = (blocks * torch.reciprocal(scale).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
     return q, scale
 
@@ -48,7 +51,7 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     _check_blocks(w, "weights", (0, 1))
     N, K = w.shape
     blocks = w.float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp_min(_TINY)
+    scale = (blocks.abs().amax(dim=(1, 3)) * _INV_MAX).clamp_min(_TINY)
     q = (blocks * torch.reciprocal(scale)[:, None, :, None]).to(torch.float8_e4m3fn).view(N, K)
     return q, scale
 

@@ -45,6 +45,7 @@ constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one
 constexpr int kBKf8 = 128;
 constexpr int kScaleBlock = 128;
 constexpr float kE4m3Max = 448.0f;
+constexpr float kInvE4m3Max = (float)(1.0 / 448.0);  // scale = amax * this (megatron_mok/fp8.py: _INV_MAX)
 constexpr float kScaleTiny = 1e-12f;  // all-zero blocks: a tiny scale instead of 0 (megatron_mok/fp8.py)
 
 // ---- error reporting ----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 // give up the consumer warpgroups' setmaxnreg register budget (224) for the launch bound's 168.
 // __fdividef / inv_scale agree with the oracle's fp32 division and reciprocal to an ulp, which at
 // most moves one e4m3 rounding of a block (the tests compare at the recipe's tolerance).
-__device__ __forceinline__ float block_scale(float amax) { return fmaxf(__fdividef(amax, kE4m3Max), kScaleTiny); }
+__device__ __forceinline__ float block_scale(float amax) { return fmaxf(amax * kInvE4m3Max, kScaleTiny); }
 // 1 / scale for a normal, finite scale (>= 1e-12): approximate reciprocal + one Newton step (the
 // correctly rounded __frcp_rn has a subroutine slow path, see above).
 __device__ __forceinline__ float inv_scale(float scale) {

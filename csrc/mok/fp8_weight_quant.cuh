@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(256) mok_fp8_quantize_weight_kernel(const __nv
   amax = s_amax[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) amax = fmaxf(amax, s_amax[i]);
-  const float scale = fmaxf(amax / kE4m3Max, kScaleTiny);
+  const float scale = fmaxf(amax * kInvE4m3Max, kScaleTiny);
   const float inv = 1.0f / scale;
   uint4* dst = reinterpret_cast<uint4*>(q + row * K + (long long)bk * kScaleBlock + c0);
 #pragma unroll
