@@ -46,7 +46,7 @@ def _inputs(R, L, H, F, K, T, mode, seed):
     return x, list(idx), list(wts), w1, w2
 
 
-def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, **kw):
+def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp8=None, **kw):
     from megatron_mok.kernel.peer_ep import mok_forward_rank
 
     R = len(bufs)
@@ -65,6 +65,7 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, **
             stream=streams[r],
             check=False,
             saved_h=None if saved_h is None else saved_h[r],
+            fp8=None if fp8 is None else fp8[r],
             **kw,
         )
     return res
@@ -111,17 +112,8 @@ def test_fp8_rank_launches_match_emulated(kernel, R):
     for call in range(2):
         x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "skewed", seed=300 + 10 * R + call)
         q8 = quantize_expert_weights(w1, w2)
-        per_rank = [quantize_expert_weights([w1[r]], [w2[r]]) for r in range(R)]
-        res = {}
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        from megatron_mok.kernel.peer_ep import mok_forward_rank
-
-        for r in range(R):
-            streams[r].wait_stream(torch.cuda.current_stream())
-            res[r] = mok_forward_rank(
-                bufs[r], x[r], idx[r], wts[r], w1[r], w2[r], ctas=sms // R, stream=streams[r], check=False,
-                timeout_ms=5000.0, fp8=per_rank[r], **cfg,
-            )  # fmt: skip
+        per_rank = [quantize_expert_weights([w1[r]], [w2[r]]) for r in range(R)]  # each rank's own experts
+        res = _launch_all(bufs, x, idx, wts, w1, w2, streams, timeout_ms=5000.0, fp8=per_rank, **cfg)
         for r in range(R):
             check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
         torch.cuda.synchronize()
