@@ -26,17 +26,8 @@ constexpr int kF8ATile = kF8BM * kF8BK;  // 16 KB
 constexpr int kF8BTile = kF8BN * kF8BK;  // 16 KB
 constexpr int kF8StageBytes = kF8ATile + kF8BTile;
 
-using WgmmaF8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-
-template <size_t... I>
-__device__ __forceinline__ void wgmma_f8_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                              std::index_sequence<I...>) {
-  WgmmaF8::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-// d[64] (+)= A(64 x 32 e4m3, smem, K-major) * B(128 x 32 e4m3, smem, K-major)^T
-__device__ __forceinline__ void wgmma_64x128x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma_f8_impl(da, db, d, accumulate, std::make_index_sequence<64>{});
-}
+// d[64] (+)= A(64 x 32 e4m3, smem, K-major) * B(128 x 32 e4m3, smem, K-major)^T: wgmma_64x128x32_e4m3
+// (gemm_sm90.cuh)
 __device__ __forceinline__ void fence_acc64_f8(float* d) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);

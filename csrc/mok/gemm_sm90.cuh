@@ -47,65 +47,41 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128_mn(const void* smem_ptr
 }
 constexpr uint64_t kMnDescK16Step = 2048 >> 4;  // descriptor start-address step per k16 (MN-major)
 
-using Wgmma256 = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                cute::SM90::GMMA::Major::K>;
-using Wgmma256BMn = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                   cute::SM90::GMMA::Major::MN>;
-using Wgmma256MnMn = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
-                                                                    cute::SM90::GMMA::Major::MN>;
-
-template <size_t... I>
-__device__ __forceinline__ void wgmma256_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                              std::index_sequence<I...>) {
-  Wgmma256::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+// One WGMMA of the CuTe atom `Atom` with its NAcc fp32 accumulator registers d[0..NAcc) passed one by
+// one (the atom's fma takes them as separate references); accumulate = false writes d = A * B^T.
+template <class Atom, size_t... I>
+__device__ __forceinline__ void wgmma_atom_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
+                                                std::index_sequence<I...>) {
+  Atom::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
+template <class Atom, int NAcc>
+__device__ __forceinline__ void wgmma_atom(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma_atom_impl<Atom>(da, db, d, accumulate, std::make_index_sequence<NAcc>{});
+}
+
+namespace gmma = cute::SM90::GMMA;
+using Wgmma256 = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+using Wgmma256BMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
+using Wgmma256MnMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
+// FP8 WGMMA takes K-major operands only; one k32 step is 32 B of each SW128 row, like a bf16 k16 step.
+using Wgmma128F8 = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+
 // d[128] += A(64x16, smem) * B(256x16, smem)^T   (or d = A*B^T when !accumulate)
 __device__ __forceinline__ void wgmma_64x256x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma256_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
-}
-
-template <size_t... I>
-__device__ __forceinline__ void wgmma256_bmn_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                                  std::index_sequence<I...>) {
-  Wgmma256BMn::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  wgmma_atom<Wgmma256, 128>(da, db, d, accumulate);
 }
 // as wgmma_64x256x16 with B MN-major (descriptor from make_smem_desc_sw128_mn)
 __device__ __forceinline__ void wgmma_64x256x16_bmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma256_bmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
-}
-
-template <size_t... I>
-__device__ __forceinline__ void wgmma256_mnmn_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                                   std::index_sequence<I...>) {
-  Wgmma256MnMn::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  wgmma_atom<Wgmma256BMn, 128>(da, db, d, accumulate);
 }
 // as wgmma_64x256x16 with A and B both MN-major (reductions over the rows of row-major buffers: wgrad)
 __device__ __forceinline__ void wgmma_64x256x16_mnmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma256_mnmn_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
+  wgmma_atom<Wgmma256MnMn, 128>(da, db, d, accumulate);
 }
-
-// FP8: d[128] (+)= A(64 x 32 e4m3, smem, K-major) * B(256 x 32 e4m3, smem, K-major)^T. FP8 WGMMA takes
-// K-major operands only; one k32 step is 32 B of each SW128 row, like a bf16 k16 step.
-using Wgmma256F8 = cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
-template <size_t... I>
-__device__ __forceinline__ void wgmma256_f8_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                                 std::index_sequence<I...>) {
-  Wgmma256F8::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-__device__ __forceinline__ void wgmma_64x256x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma256_f8_impl(da, db, d, accumulate, std::make_index_sequence<128>{});
-}
-
 // FP8 half tile: d[64] (+)= A(64 x 32 e4m3) * B(128 x 32 e4m3)^T, the layout of one 128-column half of
 // the m64n256 accumulator (d = acc or acc + 64), so promotion can overlap the other half's MMAs.
-using Wgmma128F8 = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-template <size_t... I>
-__device__ __forceinline__ void wgmma128_f8_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                                 std::index_sequence<I...>) {
-  Wgmma128F8::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
 __device__ __forceinline__ void wgmma_64x128x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma128_f8_impl(da, db, d, accumulate, std::make_index_sequence<64>{});
+  wgmma_atom<Wgmma128F8, 64>(da, db, d, accumulate);
 }
 
 __device__ __forceinline__ void fence_acc(float* d) {

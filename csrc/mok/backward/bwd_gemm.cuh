@@ -24,15 +24,9 @@
 namespace mok {
 namespace bwd {
 
-using Wgmma128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                cute::SM90::GMMA::Major::K>;
-template <size_t... I>
-__device__ __forceinline__ void wgmma128_impl(uint64_t da, uint64_t db, float* d, bool accumulate,
-                                              std::index_sequence<I...>) {
-  Wgmma128::fma(da, db, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
+using Wgmma128 = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
 __device__ __forceinline__ void wgmma_64x128x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma128_impl(da, db, d, accumulate, std::make_index_sequence<64>{});
+  wgmma_atom<Wgmma128, 64>(da, db, d, accumulate);
 }
 __device__ __forceinline__ void fence_acc64(float* d) {
 #pragma unroll
