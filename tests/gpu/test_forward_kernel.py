@@ -21,17 +21,6 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    import megatron_mok.kernel as k
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
-    return k
-
-
 def _run_case(
     kernel,
     R,

@@ -22,17 +22,6 @@ from mok_truth import exact_fp32, ground_truth, ground_truth_fp8, make_experts, 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    import megatron_mok.kernel as k
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
-    return k
-
-
 def _inputs(R, L, H, F, K, Ts, mode, seed):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)

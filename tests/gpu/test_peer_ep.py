@@ -25,17 +25,6 @@ pytestmark = pytest.mark.gpu
 TOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    import megatron_mok.kernel as k
-
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
-    return k
-
-
 def _inputs(R, L, H, F, K, T, mode, seed):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
