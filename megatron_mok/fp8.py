@@ -1,6 +1,7 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
 of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, and the block-scaled
-grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``).
+grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``), and of the FP8 dgrad still to be built
+(``fp8_expert_ffn_backward``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
   kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);
@@ -89,3 +90,42 @@ def fp8_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch
     aq, as_ = quantize_act_1x128(act)  # fused into the SwiGLU epilogue in the kernel
     w2q, w2s = quantize_weight_128x128(w2)
     return fp8_linear(aq, as_, w2q, w2s).to(torch.bfloat16)
+
+
+def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    """dH [T, 2F] of act = silu(g) * u for h = [g | u] [T, 2F], from d_act [T, F] (fp32)."""
+    F = h.shape[1] // 2
+    g, u = h[:, :F].float(), h[:, F:].float()
+    sg = torch.sigmoid(g)
+    d_gate = d_act * u * sg * (1.0 + g * (1.0 - sg))
+    d_up = d_act * g * sg
+    return torch.cat([d_gate, d_up], dim=1)
+
+
+def fp8_expert_ffn_backward(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dx [T, H], dw1 [2F, H], dw2 [H, F], fp32) of ``fp8_expert_ffn`` for the output
+    gradient gy [T, H], with the FP8 recipe the backward kernel is to follow (scripts/NOTES-fp8.md):
+
+    * dgrad in FP8: dA = gy @ W2 and dX = dH @ W1 quantise gy / dH per 1 x 128 block along their K
+      (H / 2F) and read the weights transposed. A 128 x 128 block quantisation of W^T is the transpose
+      of W's (same blocks, same amax), so W^T's e4m3 copy and scales are ``wq.t()`` / ``ws.t()``;
+    * the SwiGLU backward in fp32 from the forward's fc1 output h;
+    * wgrad (token dimension as K) from bf16 operands in fp32: dW2 = gy^T act, dW1 = dH^T x.
+    """
+    F = w2.shape[1]
+    xq, xs = quantize_act_1x128(x)
+    w1q, w1s = quantize_weight_128x128(w1)
+    w2q, w2s = quantize_weight_128x128(w2)
+    h = fp8_linear(xq, xs, w1q, w1s)  # forward fc1, as fp8_expert_ffn
+    act = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    gyq, gys = quantize_act_1x128(gy)
+    d_act = fp8_linear(gyq, gys, w2q.t().contiguous(), w2s.t().contiguous())  # [T, F] = gy @ W2
+    dh = swiglu_backward(h, d_act)
+    dhq, dhs = quantize_act_1x128(dh)
+    dx = fp8_linear(dhq, dhs, w1q.t().contiguous(), w1s.t().contiguous())  # [T, H] = dH @ W1
+    bf = torch.bfloat16
+    dw2 = gy.to(bf).float().t() @ act.to(bf).float()
+    dw1 = dh.to(bf).float().t() @ x.to(bf).float()
+    return dx, dw1, dw2
