@@ -3,7 +3,8 @@
 The search times the fused forward kernel on a per-GPU slice of the model: ``num_experts / ep``
 local experts, ``tokens`` tokens of top-k routing spread evenly over them (what a balanced EP rank
 receives). Every candidate is checked against the two-GEMM-waves rule and the config validation;
-the fastest one is written as a YAML with the original model section.
+the fastest one is written as a YAML with the original model section. The config's ``kernel.dtype``
+picks the kernel that is timed (``fp8``: the FP8 forward kernel, weights quantised once beforehand).
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def tune(
 ) -> tuple[MokConfig, list[dict]]:
     from . import kernel
 
+    cfg = load_config(config)
+    if cfg.kernel.dtype not in ("bf16", "fp8"):
+        raise ValueError(f"mok tune: kernel.dtype {cfg.kernel.dtype!r} has no kernel on this GPU (bf16, fp8)")
     if not kernel.is_available():
         raise RuntimeError(f"mok tune needs a GPU that runs the MoK kernel: {kernel.unavailable_reason()}")
-    cfg = load_config(config)
     m = cfg.model
     if m.num_moe_experts % ep:
         raise ValueError(f"--ep {ep} does not divide num_moe_experts={m.num_moe_experts}")
@@ -62,9 +65,17 @@ def tune(
     w = torch.rand(tokens, K, generator=g).to(dev)
     w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)]
     w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
+    extra = {}
+    if cfg.kernel.dtype == "fp8":
+        from .kernel.fp8_weights import quantize_expert_weights
+
+        extra["fp8"] = quantize_expert_weights([w1], [w2])
     flops = 2 * tokens * K * H * 3 * F
     rows = []
-    log(f"tuning {m.name}: {L} local experts (EP {ep}), {tokens} tokens x top-{K} = {tokens * K} rows, H {H}, F {F}")
+    log(
+        f"tuning {m.name} ({cfg.kernel.dtype}): {L} local experts (EP {ep}), {tokens} tokens x top-{K} = "
+        f"{tokens * K} rows, H {H}, F {F}"
+    )
     for c, mb, s in candidate_grid(cfg, comm_sms, minibatches, slots):
         try:
             cfg.replace_kernel(comm_sms=c, minibatch_tokens=mb, ring_slots=s)
@@ -74,7 +85,7 @@ def tune(
 
         def run(c=c, mb=mb, s=s):
             kernel.mok_forward_emulated(
-                [x], [idx], [w], [w1], [w2], comm_sms=c, ring_slots=s, minibatch_tokens=mb, check=False
+                [x], [idx], [w], [w1], [w2], comm_sms=c, ring_slots=s, minibatch_tokens=mb, check=False, **extra
             )
 
         try:

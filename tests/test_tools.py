@@ -68,3 +68,18 @@ def test_compare_dispatchers_runs_and_skips_missing_backends(tmp_path):
     res = {r["dispatcher"]: r for r in json.loads(out.read_text())["results"]}
     assert {"mok", "alltoall"} <= set(res)
     assert all(r["fwd_ms"] > 0 and r["tokens_per_s"] > 0 for r in res.values())
+
+
+def test_tuner_refuses_a_dtype_without_a_kernel_here(tmp_path):
+    import pytest
+    import yaml
+
+    from megatron_mok.config import CONFIG_DIR
+    from megatron_mok.tuner import tune
+
+    raw = yaml.safe_load((CONFIG_DIR / "kimi-k2.yaml").read_text())
+    raw["kernel"].update(dtype="mxfp8", arch="sm_100a")
+    path = tmp_path / "kimi-mxfp8.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match="kernel.dtype 'mxfp8' has no kernel"):
+        tune(str(path), ep=48, tokens=64)
