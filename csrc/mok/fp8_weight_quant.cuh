@@ -1,7 +1,8 @@
 // FP8 (e4m3) quantisation of an expert weight with one fp32 scale per 128 x 128 block, once per
 // optimizer step (kernel.dtype fp8): a CTA per block, 256 threads, each thread two half rows (64 values).
-// Bit-identical to megatron_mok.fp8.quantize_weight_128x128 (IEEE fp32 division and reciprocal, RNE
-// conversion): this is a standalone kernel, so the forward kernel's no-division rule does not apply.
+// Bit-identical to megatron_mok.fp8.quantize_weight_128x128 for finite weights (amax * fp32(1/448), IEEE
+// reciprocal, RNE conversion; a standalone kernel, so the forward kernel's no-division rule does not
+// apply). fmaxf drops NaN: a NaN weight poisons only its own value here, its whole block in torch.
 // The torch-ops oracle makes 5 passes over the weight; this one reads it once (Kimi-K2's 8 local
 // experts: 4.4 ms with torch ops).
 #pragma once

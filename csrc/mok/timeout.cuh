@@ -60,7 +60,7 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
 // Out of line on purpose: a __trap() inlined into a warpgroup's code makes ptxas ignore that warpgroup's
 // setmaxnreg budget (the forward consumers stayed at the launch bound's 168 registers and spilled in the
 // K loop; with the trap behind a call they get up to 224). Only the fatal timeout path calls it.
-__device__ __noinline__ void fatal_trap() { __trap(); }
+static __device__ __noinline__ void fatal_trap() { __trap(); }
 
 // Internal pipeline waits (producer <-> consumers of one CTA) never depend on other SMs directly:
 // on an abort the producer still publishes an "exit" tile, so these waits always complete unless

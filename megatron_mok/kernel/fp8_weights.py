@@ -26,17 +26,24 @@ _step_hook = None
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 [N / 128, K / 128]) as ``fp8.quantize_weight_128x128`` computes it
-    (bit-identical): on a CUDA bf16 weight with the MoK library one kernel that reads w once
-    (csrc/mok/fp8_weight_quant.cuh), else the PyTorch recipe."""
-    if not (w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1):
+    (bit-identical for finite weights; a NaN poisons only its own value, not its whole block): on a CUDA
+    bf16 weight with unit inner stride, a row stride of a multiple of 8 and a 16-byte aligned start, one
+    kernel that reads w once (csrc/mok/fp8_weight_quant.cuh); otherwise, or without the MoK library, the
+    PyTorch recipe."""
+    fast = w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
+    if not (fast and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0):
         return fp8.quantize_weight_128x128(w)
+    from .build import BuildError
     from .emulated import load_library
     from .errors import MokKernelError
 
     N, K = w.shape
     if N % fp8.BLOCK or K % fp8.BLOCK:
         raise ValueError(f"weights: shape {tuple(w.shape)} must be multiples of {fp8.BLOCK} in both dimensions")
-    lib = load_library()
+    try:
+        lib = load_library()
+    except (BuildError, OSError):
+        return fp8.quantize_weight_128x128(w)
     if not getattr(lib, "_mok_wq_bound", False):
         lib.mok_fp8_quantize_weight.restype = ctypes.c_int
         lib.mok_fp8_quantize_weight.argtypes = [
@@ -49,9 +56,10 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dev = w.device.index if w.device.index is not None else torch.cuda.current_device()
     ebuf = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(w.device).cuda_stream
-    rc = lib.mok_fp8_quantize_weight(
-        w.data_ptr(), w.stride(0), N, K, q.data_ptr(), sc.data_ptr(), dev, ctypes.c_void_p(stream), ebuf, 512
-    )
+    with torch.cuda.device(w.device):  # the library sets w's device current; torch restores the caller's
+        rc = lib.mok_fp8_quantize_weight(
+            w.data_ptr(), w.stride(0), N, K, q.data_ptr(), sc.data_ptr(), dev, ctypes.c_void_p(stream), ebuf, 512
+        )
     if rc != 0:
         raise MokKernelError(f"MoK fp8 weight quantisation failed: {ebuf.value.decode(errors='replace')}")
     return q, sc
