@@ -2,7 +2,8 @@
 # The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
 # library, run the GPU tests, record the kernel timeline, run the benchmark. Logs go to $OUT (or ./gpu_logs).
 #   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
-# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timeline, MOK_SUITE_BENCH=0 the benchmark, MOK_PYTEST_PATHS (tests/gpu),
+# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timeline, MOK_SUITE_BENCH=0 the benchmark,
+#      MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py), MOK_PYTEST_PATHS (tests/gpu),
 #      MOK_PYTEST_ARGS overrides "-x -q".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,5 +45,9 @@ fi
 if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
   echo "== bench"
   timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_forward.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+fi
+if [ "${MOK_SUITE_FP8:-1}" != "0" ]; then
+  echo "== fp8 bench"
+  timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_fp8.py --comm-sms 8 --minibatch 4096 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
 fi
 exit $rc
