@@ -203,7 +203,7 @@ template <bool kFp8>
 __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
   const int lt = threadIdx.x & 127;
   const int warp_in_wg = lt >> 5, lane = lt & 31;
-  const int H = P.H, F = P.F, M = P.minibatch, S = P.ring_slots;
+  const int H = P.H, F = P.F;
   float acc[128];
   int st = 0;
   uint32_t ph = 0;
@@ -219,9 +219,10 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     const unsigned long long t_tile = globaltimer_ns();
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
+    const long long srow = slot_first_row(P, q, ti.slot) + (ti.row0 - ti.mb_start);
     if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
-      const long long srow = (long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start);  // slot row of tile row 0
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
       const float* sa0 = r_lo < ti.rows ? sa + (srow + r_lo) * nk : nullptr;
       const float* sa1 = r_lo + 8 < ti.rows ? sa + (srow + r_lo + 8) * nk : nullptr;
@@ -289,7 +290,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
     if constexpr (kFp8) {
       // SwiGLU in fp32, quantised per row (the tile's 128 columns are one 1 x 128 block) for fc2
-      const long long srow = (long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
@@ -303,7 +303,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         store_act_row_e4m3(dst, P.act_scale + (srow + r) * (F / kScaleBlock) + ti.nt, acc, h, lane);
       }
     } else {
-      __nv_bfloat16* act = P.act + ((long long)(part(P, q) * S + ti.slot) * M + (ti.row0 - ti.mb_start)) * F;
+      __nv_bfloat16* act = P.act + srow * F;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;

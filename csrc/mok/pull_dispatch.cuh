@@ -44,7 +44,7 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
   const int a = i * M, b = min(a + M, N);
-  const long long slot_row0 = (long long)(part(P, q) * S + i % S) * M;
+  const long long slot_row0 = slot_first_row(P, q, i % S);
   for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
     const int2 src = layout[row];
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;

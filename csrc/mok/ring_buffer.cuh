@@ -70,4 +70,10 @@ __device__ __forceinline__ int count_mtiles(const int* off, int L, int a, int b)
 
 __device__ __forceinline__ int num_minibatches(int N, int M) { return (N + M - 1) / M; }
 
+// Row of rank q's ring slot s (and of its activation / scale rows: same [nparts][S][M] indexing) that
+// holds the slot's first row.
+__device__ __forceinline__ long long slot_first_row(const Params& P, int q, int s) {
+  return (long long)(part(P, q) * P.ring_slots + s) * P.minibatch;
+}
+
 }  // namespace mok
