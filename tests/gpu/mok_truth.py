@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -59,13 +60,35 @@ def make_routing(T, K, E, mode, device, gen):
     return idx.to(torch.int32).contiguous(), w.float().contiguous()
 
 
+@contextlib.contextmanager
+def _no_tf32():
+    """fp32 matmuls in full precision on the GPU (restores the caller's setting)."""
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+
+def _topk_sum(x, topk_idx, topk_weight, combs):
+    """out[r] = bf16(sum_k w[t, k] * combine[r][t, k]) in fp32, k ascending, slots with idx -1 skipped:
+    the kernel's final weighted sum."""
+    outs = []
+    for r in range(len(x)):
+        valid = (topk_idx[r] >= 0).float() * topk_weight[r]
+        acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
+        for k in range(topk_idx[r].shape[1]):  # k order, fp32
+            acc += valid[:, k : k + 1] * combs[r][:, k].float()
+        outs.append(acc.bfloat16())
+    return outs
+
+
 @torch.no_grad()
 def ground_truth(x, topk_idx, topk_weight, w1, w2):
     """Returns (out[r], combine[r], tokens_per_expert[q]) with the kernel's numerics (fp32 math, bf16 roundings)."""
     R, L = len(x), len(w1[0])
-    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with _no_tf32():
         combs = [
             torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
             for t, i in zip(x, topk_idx)
@@ -88,16 +111,7 @@ def ground_truth(x, topk_idx, topk_weight, w1, w2):
                     a = (gg * torch.sigmoid(gg) * uu).bfloat16().float()
                     combs[r][tt, kk] = (a @ W2.t()).bfloat16()
                 tpe[q][e] = cnt
-        outs = []
-        for r in range(R):
-            valid = (topk_idx[r] >= 0).float() * topk_weight[r]
-            acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
-            for k in range(topk_idx[r].shape[1]):  # k order, fp32
-                acc += valid[:, k : k + 1] * combs[r][:, k].float()
-            outs.append(acc.bfloat16())
-        return outs, combs, tpe
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+        return _topk_sum(x, topk_idx, topk_weight, combs), combs, tpe
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -144,23 +158,14 @@ def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
                 combs[r][tt, kk] = fp8.fp8_linear(aq, as_, w2q, w2s).bfloat16()
         F2 = 2 * w2[q][0].shape[1]
         hs.append(torch.cat(hq) if hq else torch.zeros((0, F2), device=x[0].device))
-    outs = []
-    for r in range(R):
-        valid = (topk_idx[r] >= 0).float() * topk_weight[r]
-        acc = torch.zeros((x[r].shape[0], x[r].shape[1]), dtype=torch.float32, device=x[r].device)
-        for k in range(topk_idx[r].shape[1]):
-            acc += valid[:, k : k + 1] * combs[r][:, k].float()
-        outs.append(acc.bfloat16())
-    return outs, combs, hs
+    return _topk_sum(x, topk_idx, topk_weight, combs), combs, hs
 
 
 @torch.no_grad()
 def exact_fp32(x, topk_idx, topk_weight, w1, w2):
     """The MoE layer in fp32 from the bf16 inputs, no intermediate roundings (error yardstick)."""
     R, L = len(x), len(w1[0])
-    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with _no_tf32():
         outs = [torch.zeros((t.shape[0], t.shape[1]), dtype=torch.float32, device=t.device) for t in x]
         for q in range(R):
             for e in range(L):
@@ -175,5 +180,3 @@ def exact_fp32(x, topk_idx, topk_weight, w1, w2):
                     y = a @ w2[q][e].float().t()
                     outs[r].index_add_(0, tt, y * topk_weight[r][tt, kk].unsqueeze(1))
         return outs
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev_tf32
