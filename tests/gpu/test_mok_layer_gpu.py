@@ -66,18 +66,12 @@ def test_kernel_equals_reference_emulated_ep(R, kind):
         torch.testing.assert_close(out[r].float(), want[r].float(), **TOL, msg=lambda m, r=r: f"rank {r}: {m}")
 
 
-@pytest.mark.parametrize("save_fc1_output", [True, False])
-def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
-    """Gradient-accumulation fusion on the kernel backend: the wgrad kernel adds the expert weight
-    gradients straight into fp32 main_grad (on top of what is there); autograd gets Megatron's dummy."""
-    _kernel_or_skip()
+def _skewed_layer_problem(seed):
+    """One rank's layer inputs (L 4, H 512, F 256, top-4, 700 tokens, skewed routing) on the GPU:
+    (L, x, topk_idx, topk_weight, w1 list, w2 list, output gradient)."""
     from routings import make_topk
 
-    from megatron_mok.backend import kernel_backend
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
-    from megatron_mok.transport import run_emulated
-
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     L, H, F, K, T = 4, 512, 256, 4, 700
     dev = torch.device("cuda")
     x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
@@ -86,6 +80,21 @@ def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
     w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)]
     w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
     go = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    return L, x, idx, w, w1, w2, go
+
+
+@pytest.mark.parametrize("save_fc1_output", [True, False])
+def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
+    """Gradient-accumulation fusion on the kernel backend: the wgrad kernel adds the expert weight
+    gradients straight into fp32 main_grad (on top of what is there); autograd gets Megatron's dummy."""
+    _kernel_or_skip()
+
+    from megatron_mok.backend import kernel_backend
+    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.transport import run_emulated
+
+    L, x, idx, w, w1, w2, go = _skewed_layer_problem(5)
+    dev = x.device
     backend = kernel_backend(comm_sms=2, timeout_ms=5000.0)
     ring = RingSpec(minibatch_tokens=256, ring_slots=2)
     import megatron_mok.kernel.backward as kb
@@ -219,21 +228,13 @@ def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
     every gradient stay within the FP8 recipe's error of the bf16 backend's; weights are quantised once
     per weight version (an in-place update re-quantises)."""
     _kernel_or_skip()
-    from routings import make_topk
 
     from megatron_mok.backend import select_backend
     from megatron_mok.reference import MokPlan, RingSpec, mok_moe
     from megatron_mok.transport import run_emulated
 
-    g = torch.Generator().manual_seed(9)
-    L, H, F, K, T = 4, 512, 256, 4, 700
-    dev = torch.device("cuda")
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    idx = make_topk("skewed", T, L, K, g).to(dev)
-    w = torch.rand(T, K, generator=g).to(dev)
-    w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)]
-    w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
-    go = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    L, x, idx, w, w1, w2, go = _skewed_layer_problem(9)
+    dev = x.device
     ring = RingSpec(minibatch_tokens=256, ring_slots=2)
 
     def run(dtype, ps):
