@@ -10,13 +10,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def f8():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    import megatron_mok.kernel as k
-
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
+def f8(kernel):  # kernel (conftest.py): skips without a GPU or the MoK library
     from megatron_mok.kernel import fp8_gemm
 
     return fp8_gemm
