@@ -20,6 +20,7 @@
 // quantises the SwiGLU output per 1 x 128 block (one tile = one block per row) for fc2.
 #pragma once
 #include "common.cuh"
+#include "fp8_kloop.cuh"
 #include "fp8_quant.cuh"
 #include "gemm_sm90.cuh"
 #include "push_combine.cuh"
@@ -139,63 +140,6 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       if (++st == kStages) { st = 0; ph ^= 1u; }
     }
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// FP8 K loop of one tile: acc = sum_kb P_kb * sa[row, kb] * sb[col block, kb] (see rescale_half).
-// sa0 / sa1: this thread's two rows' activation scales ([*, nkb] fp32, written in this kernel: read
-// through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
-// ([*, nkb], nullptr past the matrix). Each K block is two m64n128k32 groups, one per column half:
-// half c of block kb is issued after half c of block kb-1 has landed and was rescaled, while the other
-// half's group is still in flight (wait<1>).
-__device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const ComputeSmem& sm, int wgc, int nk,
-                                              const float* sa0, const float* sa1, const float* sb0,
-                                              const float* sb1, float* acc, int& st, uint32_t& ph) {
-  const int lt = threadIdx.x & 127;
-  float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
-  int prev = 0;
-  // scales are loaded one K block ahead: an L2 round trip per block would otherwise stall the promotion
-  float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
-  float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
-  for (int kb = 0; kb < nk; ++kb) {
-    const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
-    if (kb + 1 < nk) {
-      na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
-      na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
-      nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
-      nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
-    }
-    mbar_wait(P, &sm.full[st], ph, q, 4);
-    const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
-    const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-    const uint64_t da = make_smem_desc_sw128(a_s);
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float* half = acc + 64 * c;
-      const float b = c ? b1 : b0, pb = c ? pb1 : pb0;
-      if (kb > 0) {
-        cute::warpgroup_wait<1>();  // half c of block kb-1 has landed (the other half may still run)
-        fence_acc(acc);
-        rescale_half(half, __fdividef(pa0 * pb, a0 * b), __fdividef(pa1 * pb, a1 * b));
-        if (c == 1 && lt == 0) Barrier::arrive(&sm.empty[prev]);  // both halves of block kb-1 are done
-      }
-      const uint64_t db = make_smem_desc_sw128(b_s + c * (kBTileBytes / 2));
-      fence_acc(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kBKf8 / 32; ++kk)
-        wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), half, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
-    }
-    pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
-    prev = st;
-    if (++st == kStages) { st = 0; ph ^= 1u; }
-  }
-  cute::warpgroup_wait<0>();
-  fence_acc(acc);
-  if (lt == 0) Barrier::arrive(&sm.empty[prev]);
-  rescale_half(acc, pa0 * pb0, pa1 * pb0);
-  rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);
 }
 
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.

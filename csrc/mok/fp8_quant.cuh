@@ -12,8 +12,9 @@
 //                      accumulator registers instead of 256, so the bf16 kernel's 128 x 256 tiles stay.
 //                      The two 128-column halves are separate MMA groups, so one half is rescaled
 //                      while the other half's MMAs run (the tensor pipe never drains).
-//   store_act_row_e4m3 fc1 epilogue: one row's 128 SwiGLU outputs of a tile (= one scale block) as e4m3
-//                      + its scale, 16-byte stores after a quad transpose.
+//   quantize_store_row128  one row's 1 x 128 block in WGMMA fragment order -> e4m3 + scale, 16-byte
+//                      stores after a quad transpose (forward: store_act_row_e4m3, the SwiGLU output of
+//                      an fc1 tile; backward: the dH blocks of a dgrad stage-1 tile)
 #pragma once
 #include "common.cuh"
 #include "push_combine.cuh"
@@ -39,6 +40,23 @@ __device__ __forceinline__ float inv_scale(float scale) {
   return fmaf(r, fmaf(-scale, r, 1.0f), r);
 }
 
+// 8 consecutive values f of a row whose 1 x 128 block spans 16 lanes (lanes 0-15 or 16-31 hold one
+// block's 16 x 8 values): the block's amax by a 16-lane butterfly (every lane of the warp must call, pass
+// zeros past the row's end), the block scale into *scale and the 8 e4m3 values as the result.
+__device__ __forceinline__ uint2 quantize8_block16(const float* f, float* scale) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  *scale = block_scale(amax);
+  const float inv = inv_scale(*scale);
+  uint2 q;
+  q.x = e4m3x2(f[0] * inv, f[1] * inv) | (e4m3x2(f[2] * inv, f[3] * inv) << 16);
+  q.y = e4m3x2(f[4] * inv, f[5] * inv) | (e4m3x2(f[6] * inv, f[7] * inv) << 16);
+  return q;
+}
+
 // One warp pulls and quantises one row of H (multiple of 128) bf16 values. Iteration u covers 32 lanes x 8
 // values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly. Up to U
 // 16-byte loads per lane are in flight (the pull is latency-bound, as in copy_row_bf16).
@@ -61,22 +79,15 @@ __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, flo
       const int v = base + u * 32 + lane;
       float f[8];
       const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[u]);
-      float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float2 t = __bfloat1622float2(p[i]);
         f[2 * i] = t.x;
         f[2 * i + 1] = t.y;
-        amax = fmaxf(amax, fmaxf(fabsf(t.x), fabsf(t.y)));
       }
-#pragma unroll
-      for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      const float scale = block_scale(amax);
-      const float inv = inv_scale(scale);
+      float scale;
+      const uint2 q = quantize8_block16(f, &scale);
       if (v < nv) {
-        uint2 q;
-        q.x = e4m3x2(f[0] * inv, f[1] * inv) | (e4m3x2(f[2] * inv, f[3] * inv) << 16);
-        q.y = e4m3x2(f[4] * inv, f[5] * inv) | (e4m3x2(f[6] * inv, f[7] * inv) << 16);
         d[v] = q;
         if ((lane & 15) == 0) dst_scale[v / 16] = scale;
       }
@@ -96,14 +107,14 @@ __device__ __forceinline__ void rescale_half(float* a, float f0, float f1) {
   }
 }
 
-// acc of a 64 x 256 fc1 fragment after the SwiGLU was written in place: acc[4j + 2h], acc[4j + 2h + 1]
-// (j < 16) are row h's outputs at columns 8j + 2(lane%4) + {0,1} of a 128-column tile = one 1 x 128
-// block. The quad computes the block's amax, quantises, and each lane stores 2 x 16 bytes (dst = row
-// start + tile column, nullptr: row not valid; all lanes must call, the transpose uses shuffles).
-__device__ __forceinline__ void store_act_row_e4m3(uint8_t* dst, float* dst_scale, const float* acc, int h, int lane) {
+// One row's 128 values of a 1 x 128 block in WGMMA fragment order, v[2j + p] (j < 16, p < 2) = column
+// 8j + 2(lane%4) + p, as e4m3 + its scale: the quad computes the block's amax, quantises, and each lane
+// stores 2 x 16 bytes (dst = the block's first byte, nullptr: row not valid; all lanes must call, the
+// transpose uses shuffles). Used by the forward's fc1 epilogue and the backward's dH epilogue.
+__device__ __forceinline__ void quantize_store_row128(uint8_t* dst, float* dst_scale, const float* v, int lane) {
   float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fmaxf(fabsf(acc[4 * j + 2 * h]), fabsf(acc[4 * j + 2 * h + 1])));
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const float scale = block_scale(amax);
@@ -115,16 +126,27 @@ __device__ __forceinline__ void store_act_row_e4m3(uint8_t* dst, float* dst_scal
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int j = j0 + 2 * m;
-      w[m] = e4m3x2(acc[4 * j + 2 * h] * inv, acc[4 * j + 2 * h + 1] * inv) |
-             (e4m3x2(acc[4 * (j + 1) + 2 * h] * inv, acc[4 * (j + 1) + 2 * h + 1] * inv) << 16);
+      w[m] = e4m3x2(v[2 * j] * inv, v[2 * j + 1] * inv) | (e4m3x2(v[2 * j + 2] * inv, v[2 * j + 3] * inv) << 16);
     }
     // after the transpose lane l holds every lane's word l: the 8 + 8 bytes of chunks j0+2l, j0+2l+1
     const uint4 o = quad_transpose(w[0], w[1], w[2], w[3], lane);
-    const uint4 v = make_uint4(__byte_perm(o.x, o.y, 0x5410), __byte_perm(o.z, o.w, 0x5410),
+    const uint4 q = make_uint4(__byte_perm(o.x, o.y, 0x5410), __byte_perm(o.z, o.w, 0x5410),
                                __byte_perm(o.x, o.y, 0x7632), __byte_perm(o.z, o.w, 0x7632));
-    if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * j0 + 16 * l) = v;
+    if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * j0 + 16 * l) = q;
   }
   if (dst != nullptr && l == 0) *dst_scale = scale;
+}
+
+// acc of a 64 x 256 fc1 fragment after the SwiGLU was written in place: acc[4j + 2h], acc[4j + 2h + 1]
+// (j < 16) are row h's outputs at columns 8j + 2(lane%4) + {0,1} of a 128-column tile = one 1 x 128 block.
+__device__ __forceinline__ void store_act_row_e4m3(uint8_t* dst, float* dst_scale, const float* acc, int h, int lane) {
+  float v[32];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    v[2 * j] = acc[4 * j + 2 * h];
+    v[2 * j + 1] = acc[4 * j + 2 * h + 1];
+  }
+  quantize_store_row128(dst, dst_scale, v, lane);
 }
 
 }  // namespace mok

@@ -36,6 +36,8 @@ __device__ __forceinline__ bool bwd_wait_all_computed(const BwdParams& P, int q,
   return wait_counter_geq(P.base, c_compute_done(P), all_compute, q, -1, kPhaseComputeDone, 2);
 }
 
+// kFp8: FP8 dgrad (bwd_gemm.cuh; launched only with saved h).
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_constant__ BwdParams P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   const int n_comp = B.ctas_per_rank - B.comm_sms;
   const unsigned all_compute = (unsigned)(B.nparts * n_comp);
   if (local < B.comm_sms) {
-    if (!bwd_comm_role(P, q, local, &s_flag)) return;
+    if (!bwd_comm_role<kFp8>(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0) s_flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
       if (threadIdx.x == 0) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
     }
   } else {
-    if (!bwd_compute_role(P, q, smem)) return;  // producer warpgroup leaves here
+    if (!bwd_compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
     int* flag = reinterpret_cast<int*>(smem);
     if (threadIdx.x == 128) *flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     named_bar_sync(1, 256);
@@ -141,6 +143,19 @@ struct MokBwdArgs {
   int rank;                           // -1 = emulated (all R ranks in this launch)
   unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
   const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[3*72])
+  // FP8 dgrad (kernel.dtype fp8; needs saved_h, H and F multiples of 128): fp8 = 1 and, per expert of this
+  // launch (host [np*L], like w1 / w2), W2^T e4m3 [F, H] + scales [F/128, H/128] and W1^T e4m3 [H, 2F] +
+  // scales [H/128, 2F/128], all contiguous; per rank (host [R], owner side as xl), gy and dH e4m3
+  // [cap, H] / [cap, 2F] with 1 x 128 block scales [cap, H/128] / [cap, 2F/128]. 0 = bf16 dgrad.
+  int fp8;
+  const unsigned long long* w2t8;
+  const unsigned long long* w2ts;
+  const unsigned long long* w1t8;
+  const unsigned long long* w1ts;
+  const unsigned long long* gyl8;
+  const unsigned long long* gys;
+  const unsigned long long* dh8;
+  const unsigned long long* dhs;
 };
 
 }  // extern "C"
@@ -150,7 +165,7 @@ namespace {
 using namespace mok_host;
 
 struct BwdWs {
-  size_t tmaps, ranks, branks, layout, local_rank, expert_total, expert_off, zero_begin, counters, chunk_counts,
+  size_t tmaps, ranks, branks, wscale, layout, local_rank, expert_total, expert_off, zero_begin, counters, chunk_counts,
       zero_end, total;
   int num_chunks, total_entries, mt_max, mb_cap, E;
 };
@@ -165,6 +180,9 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
   if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS) return !write_err(eb, el, "ring_slots=%d", a->ring_slots);
   if (a->minibatch < 1 || a->minibatch > (1 << 20)) return !write_err(eb, el, "minibatch=%d", a->minibatch);
   if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
+  if (a->fp8 && (a->H % 128 || a->F % 128))
+    return !write_err(eb, el, "fp8 dgrad: hidden H=%d and ffn F=%d must be multiples of 128 (block scales)", a->H,
+                      a->F);
   long long entries = 0;
   for (int r = 0; r < a->R; ++r) {
     if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
@@ -199,6 +217,7 @@ BwdWs plan(const MokBwdArgs* a) {
   w.tmaps = take((size_t)(4 * np * a->L + 5 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.branks = take((size_t)a->R * sizeof(mok::bwd::BwdRank));
+  w.wscale = take((size_t)2 * np * a->L * sizeof(void*));  // FP8 dgrad: weight block-scale table
   w.layout = take((size_t)np * (size_t)a->cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
@@ -216,7 +235,7 @@ BwdWs plan(const MokBwdArgs* a) {
 
 extern "C" {
 
-const char* mok_bwd_version() { return "mok-backward-bf16-wgmma-2"; }
+const char* mok_bwd_version() { return "mok-backward-bf16-fp8-wgmma-3"; }
 
 long long mok_bwd_workspace_bytes(const MokBwdArgs* a) {
   if (!validate(a, nullptr, 0)) return -1;
@@ -242,6 +261,12 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
         return write_err(errbuf, errlen, "per-rank launch: rank %d's x / idx / w / grad_out / grad_buf / signal "
                          "peer pointer is null", r);
   }
+  if (a->fp8) {
+    if (!a->saved_h) return write_err(errbuf, errlen, "fp8 dgrad needs the forward's saved fc1 output (saved_h)");
+    if (!a->w2t8 || !a->w2ts || !a->w1t8 || !a->w1ts || !a->gyl8 || !a->gys || !a->dh8 || !a->dhs)
+      return write_err(errbuf, errlen, "fp8 dgrad: a weight (w2t8/w2ts/w1t8/w1ts) or buffer (gyl8/gys/dh8/dhs) array "
+                       "is missing");
+  }
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0, max_blocks = 0;
@@ -255,16 +280,17 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", np,
                      num_sms, cpr, a->comm_sms);
   const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
-  static int cached_smem[64] = {0}, cached_blocks[64] = {0};
+  const int variant = a->fp8 ? 1 : 0;
+  void (*kernel)(mok::bwd::BwdParams) = variant ? mok::bwd::mok_backward_kernel<true> : mok::bwd::mok_backward_kernel<false>;
+  static int cached_smem[2][64] = {{0}}, cached_blocks[2][64] = {{0}};
   const int dslot = a->device & 63;
-  if (cached_smem[dslot] != smem) {
+  if (cached_smem[variant][dslot] != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     MOK_CUDA_CHECK(
-        cudaFuncSetAttribute(mok::bwd::mok_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[dslot], mok::bwd::mok_backward_kernel,
-                                                                 mok::kThreads, smem));
-    cached_smem[dslot] = smem;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[variant][dslot], kernel, mok::kThreads, smem));
+    cached_smem[variant][dslot] = smem;
   }
-  max_blocks = cached_blocks[dslot];
+  max_blocks = cached_blocks[variant][dslot];
   if ((long long)np * cpr > (long long)max_blocks * num_sms)
     return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
                      max_blocks);
@@ -277,6 +303,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   memset(host, 0, hbytes);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
   const int L = a->L, H = a->H, F = a->F;
+  const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
   for (int g = 0; g < np * L; ++g) {  // experts of this launch's ranks (w1 / w2 / w2t hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
     const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
@@ -294,6 +321,17 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
     // W1 [2F, H] read MN-major in [64 h x 64 j] boxes (stage 2: dX = dH @ W1)
     if (!encode_2d(&maps[4 * g + 3], w1, H, 2 * F, a->w1_ld[g], 64, mok::kBK, errbuf, errlen, "w1 (MN-major)"))
       return 1;
+    if (a->fp8) {  // replaces the W2 / W1 maps: W^T e4m3, K-major, [128 B x 256 rows] boxes
+      if (!a->w2t8[g] || !a->w2ts[g] || !a->w1t8[g] || !a->w1ts[g])
+        return write_err(errbuf, errlen, "fp8 dgrad: expert %d's transposed e4m3 weight or scales pointer is null", g);
+      if (!encode_2d_u8(&maps[4 * g + 2], reinterpret_cast<void*>(a->w2t8[g]), H, F, H, mok::kBKf8, mok::kBN, errbuf,
+                        errlen, "w2^T e4m3") ||
+          !encode_2d_u8(&maps[4 * g + 3], reinterpret_cast<void*>(a->w1t8[g]), 2 * F, H, 2 * F, mok::kBKf8, mok::kBN,
+                        errbuf, errlen, "w1^T e4m3"))
+        return 1;
+      wsc[2 * g + 0] = reinterpret_cast<const float*>(a->w2ts[g]);
+      wsc[2 * g + 1] = reinterpret_cast<const float*>(a->w1ts[g]);
+    }
   }
   const unsigned long long cap = (unsigned long long)a->cap;
   for (int p = 0; p < np; ++p) {
@@ -315,6 +353,15 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
     if (a->saved_h && !encode_2d(&rm[3], reinterpret_cast<void*>(a->saved_h[q]), 2 * F, cap, 2 * F, mok::kBK,
                                  mok::kBM, errbuf, errlen, "saved_h"))
       return 1;
+    if (a->fp8) {  // replaces gyl / dh as the A operands: e4m3 [128 B x 128 rows] boxes
+      if (!a->gyl8[q] || !a->gys[q] || !a->dh8[q] || !a->dhs[q])
+        return write_err(errbuf, errlen, "fp8 dgrad: rank %d: a buffer pointer (gyl8/gys/dh8/dhs) is null", q);
+      if (!encode_2d_u8(&rm[1], reinterpret_cast<void*>(a->gyl8[q]), H, cap, H, mok::kBKf8, mok::kBM, errbuf, errlen,
+                        "gyl8") ||
+          !encode_2d_u8(&rm[2], reinterpret_cast<void*>(a->dh8[q]), 2 * F, cap, 2 * F, mok::kBKf8, mok::kBM, errbuf,
+                        errlen, "dh8"))
+        return 1;
+    }
   }
   mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
   mok::bwd::BwdRank* br = reinterpret_cast<mok::bwd::BwdRank*>(host + ws.branks);
@@ -342,6 +389,12 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
     br[r].dh = reinterpret_cast<__nv_bfloat16*>(a->dh[r]);
     br[r].act = reinterpret_cast<__nv_bfloat16*>(a->act[r]);
     br[r].saved_h = a->saved_h ? reinterpret_cast<const __nv_bfloat16*>(a->saved_h[r]) : nullptr;
+    if (a->fp8) {  // owner-side: only this launch's ranks need them (per-rank launch: the others may be 0)
+      br[r].gyl8 = reinterpret_cast<uint8_t*>(a->gyl8[r]);
+      br[r].gys = reinterpret_cast<float*>(a->gys[r]);
+      br[r].dh8 = reinterpret_cast<uint8_t*>(a->dh8[r]);
+      br[r].dhs = reinterpret_cast<float*>(a->dhs[r]);
+    }
     rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
   }
 
@@ -371,6 +424,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   B.timeline_count = reinterpret_cast<unsigned*>(a->timeline_count);
   B.timeline_cap = a->timeline ? a->timeline_cap : 0;
   P.br = reinterpret_cast<const mok::bwd::BwdRank*>(wsp + ws.branks);
+  B.wscale = a->fp8 ? reinterpret_cast<const float* const*>(wsp + ws.wscale) : nullptr;
   P.tm = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
   P.ctr = B.counters;
   P.nt1 = a->saved_h ? (F + 255) / 256 : (F + 127) / 128;  // stage-1 tile width: see bwd_consumer_saved
@@ -400,7 +454,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   cfg.attrs = attr;
   const char* coop = getenv("MOK_COOPERATIVE");  // as the forward: 0 = plain launch (diagnostics)
   cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, mok::bwd::mok_backward_kernel, P));
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -5,6 +5,7 @@
 //   pulls x[r][t] and grad_out[r][t] from home rank r and writes, in layout order,
 //     xl[row]  = x[r][t]                          (bf16 copy; fc1 recompute + dW1 operand)
 //     gyl[row] = bf16(w[r][t,k] * grad_out[r][t])  (fp32 math; fc2 dgrad + dW2 operand)
+//     FP8 dgrad (kFp8): also gyl8[row] / gys[row] = gyl[row] as e4m3 with 1 x 128 block scales
 //   then publishes ready[q][i] (+1 per comm CTA, release).
 // Background work, one share after each minibatch's pull (the pulls leave the comm SMs idle most of the
 //   time, and doing it after the last pull would leave a tail on them):
@@ -14,11 +15,17 @@
 //   in fp32, k ascending, slots with idx == -1 skipped; tokens handed out by an atomic cursor.
 #pragma once
 #include "bwd_common.cuh"
+#include "../fp8_quant.cuh"
 
 namespace mok {
 namespace bwd {
 
+// One warp: xd = xs (bf16 copy) and gd = bf16(w * gs); kFp8 also writes gd's values (as rounded to
+// bf16) as e4m3 with one scale per 1 x 128 block into gq / gqs (H % 128 == 0), the A operand of the FP8
+// dgrad's stage 1. Iteration u covers 32 lanes x 8 values = two scale blocks (fp8_quant.cuh).
+template <bool kFp8>
 __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, __nv_bfloat16* __restrict__ gd,
+                                               uint8_t* __restrict__ gq, float* __restrict__ gqs,
                                                const __nv_bfloat16* __restrict__ xs,
                                                const __nv_bfloat16* __restrict__ gs, float w, int H, int lane) {
   const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
@@ -32,6 +39,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = base + u * 32 + lane;
+      bx[u] = bg[u] = make_uint4(0, 0, 0, 0);
       if (v < nv) {
         bx[u] = __ldg(xs4 + v);
         bg[u] = __ldg(gs4 + v);
@@ -39,18 +47,35 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      if (base + u * 32 >= nv) break;  // warp-uniform
       const int v = base + u * 32 + lane;
+      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&bg[u]);
+      uint4 o;
+      uint32_t* po = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(p[i]);
+        po[i] = pack2(w * f.x, w * f.y);
+      }
       if (v < nv) {
         xd4[v] = bx[u];
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&bg[u]);
-        uint4 o;
-        uint32_t* po = reinterpret_cast<uint32_t*>(&o);
+        gd4[v] = o;
+      }
+      if constexpr (kFp8) {  // quantise the bf16 gy (what wgrad reads), all lanes (shuffles)
+        float f[8];
+        const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&o);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(p[i]);
-          po[i] = pack2(w * f.x, w * f.y);
+          const float2 t = __bfloat1622float2(pb[i]);
+          f[2 * i] = t.x;
+          f[2 * i + 1] = t.y;
         }
-        gd4[v] = o;
+        float scale;
+        const uint2 qv = quantize8_block16(f, &scale);
+        if (v < nv) {
+          reinterpret_cast<uint2*>(gq)[v] = qv;
+          if ((lane & 15) == 0) gqs[v / 16] = scale;
+        }
       }
     }
   }
@@ -131,6 +156,7 @@ __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker
 
 // Comm CTA c of owner rank q: pulls, then after each minibatch one share of the background work.
 // Returns false if the kernel is aborting.
+template <bool kFp8>
 __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
   const Params& B = P.base;
   const int L = B.L, M = B.minibatch, S = B.ring_slots, H = B.H, K = B.K;
@@ -161,8 +187,10 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
       const int2 src = layout[row];
       const int t = src.y / K;
       const float w = B.ranks[src.x].w[src.y];
-      pull_rows_pair(me.xl + (long long)row * H, me.gyl + (long long)row * H, B.ranks[src.x].x + (long long)t * H,
-                     P.br[src.x].grad_out + (long long)t * H, w, H, lane);
+      pull_rows_pair<kFp8>(me.xl + (long long)row * H, me.gyl + (long long)row * H,
+                           kFp8 ? me.gyl8 + (long long)row * H : nullptr,
+                           kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr,
+                           B.ranks[src.x].x + (long long)t * H, P.br[src.x].grad_out + (long long)t * H, w, H, lane);
     }
     fence_proxy_async_global();  // read next by TMA (async proxy)
     __syncthreads();

@@ -26,6 +26,11 @@ struct BwdRank {
   __nv_bfloat16* dh;              // [cap, 2F] owner: [dgate | dup], layout order (bf16)
   __nv_bfloat16* act;             // [cap, F]  owner: bf16(silu(g) * u) recomputed, layout order
   const __nv_bfloat16* saved_h;   // [cap, 2F] owner: forward's fc1 output [g | u] (bf16), or null: recompute
+  // FP8 dgrad only (kernel variant kFp8; null otherwise): e4m3 copies with one fp32 scale per 1 x 128 block
+  uint8_t* gyl8;                  // [cap, H]  owner: gyl as e4m3 (stage-1 A operand)
+  float* gys;                     // [cap, H/128]
+  uint8_t* dh8;                   // [cap, 2F] owner: dh as e4m3 (stage-2 A operand; wgrad reads the bf16 dh)
+  float* dhs;                     // [cap, 2F/128]
 };
 
 struct BwdParams {
@@ -42,6 +47,10 @@ struct BwdParams {
 // per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2 (see tm_w2), 4g+3 W1 (MN-major);
 // per partition p: 4*np*L + 5p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset),
 // +4 dh in [64 x 64] boxes (TMA stores).
+// FP8 dgrad (kFp8, saved h only): 4g+2 = W2^T e4m3 [F, H], 4g+3 = W1^T e4m3 [H, 2F] (K-major, [128 B x 256
+// row] boxes; 8-bit WGMMA operands must be K-major), +1 = gyl8 [cap, H], +2 = dh8 [cap, 2F] ([128 B x 128
+// row] boxes); their block scales: base.wscale[2g] (W2^T, [F/128, H/128]), base.wscale[2g+1] (W1^T,
+// [H/128, 2F/128]).
 __device__ __forceinline__ int bwd_expert(const BwdParams& P, int q, int e) { return part(P.base, q) * P.base.L + e; }
 __device__ __forceinline__ const CUtensorMap* tm_gate(const BwdParams& P, int g) { return P.tm + 4 * g + 0; }
 __device__ __forceinline__ const CUtensorMap* tm_up(const BwdParams& P, int g) { return P.tm + 4 * g + 1; }

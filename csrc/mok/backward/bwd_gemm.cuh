@@ -18,8 +18,18 @@
 //     -> mb_done[q][mb] += 1 (frees the slot for minibatch mb + S)
 // B operands: gate/up rows of W1 K-major as stored; W1 (stage 2) and, with saved h, W2 (stage 1)
 // MN-major as stored; only the recompute path's loop D reads a transposed copy W2^T made by the wrapper.
+//
+// FP8 dgrad (template kFp8, saved h only; kernel.dtype fp8): the same tiles and tickets, both GEMM stages
+// in e4m3 with block scales through the forward's rescaling K loop (fp8_kloop.cuh, 128-element K steps):
+//   stage 1: A = gyl8 (gy quantised 1 x 128 in the pull), B = W2^T e4m3 [F, H] (K-major: 8-bit WGMMA
+//            has no MN-major operands; the 128 x 128 quantisation of W2^T is the transpose of W2's)
+//   stage 2: A = dh8 (the stage-1 epilogue quantises the bf16 dH per 1 x 128 block beside storing it),
+//            B = W1^T e4m3 [H, 2F]
+// The SwiGLU backward, dH (bf16, for wgrad) and the dX push are as in bf16.
 #pragma once
 #include "bwd_common.cuh"
+#include "../fp8_kloop.cuh"
+#include "../fp8_quant.cuh"
 
 namespace mok {
 namespace bwd {
@@ -66,6 +76,7 @@ __device__ __forceinline__ BSmem bwd_carve(uint8_t* smem) {
 }
 
 // ------------------------------------------------------------------------------------------------
+template <bool kFp8>
 __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
   const Params& B = P.base;
   const int L = B.L, M = B.minibatch, S = B.ring_slots;
@@ -111,19 +122,31 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
     if (ti.kind == 0) return;
 
     const int g = bwd_expert(P, q, ti.expert);
-    if (ti.kind == 1 && P.br[q].saved_h != nullptr) {
+    if (ti.kind == 1 && (kFp8 || P.br[q].saved_h != nullptr)) {
       // saved h: dA loop (A = gy rows, B = 256 rows of W2^T), then the tile's g / u columns: per 128-col
       // half one stage of g and one of u (two [128 x 64] boxes each; bwd_consumer_saved reads them)
-      const int nk = ceil_div(B.H, kBK);
-      for (int kb = 0; kb < nk; ++kb) {
-        mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
-        uint8_t* a_s = sm.stages + st * kStageBytes;
-        Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
-        tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
-        for (int b = 0; b < 4; ++b)  // W2 rows h = K, columns f = N: four [64 f x 64 h] MN-major boxes
-          tma_load_2d(tm_w2(P, g), &sm.full[st], a_s + kATileBytes + b * (kBK * 64 * 2), ti.nt * 256 + 64 * b,
-                      kb * kBK);
-        if (++st == kStages) { st = 0; ph ^= 1u; }
+      if constexpr (kFp8) {  // A = gyl8 [128 rows x 128 B], B = W2^T e4m3 rows [nt*256, +256) x 128 B
+        const int nk = B.H / kBKf8;
+        for (int kb = 0; kb < nk; ++kb) {
+          mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+          uint8_t* a_s = sm.stages + st * kStageBytes;
+          Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+          tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBKf8, ti.row0);
+          tma_load_2d(tm_w2(P, g), &sm.full[st], a_s + kATileBytes, kb * kBKf8, ti.nt * 256);
+          if (++st == kStages) { st = 0; ph ^= 1u; }
+        }
+      } else {
+        const int nk = ceil_div(B.H, kBK);
+        for (int kb = 0; kb < nk; ++kb) {
+          mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+          uint8_t* a_s = sm.stages + st * kStageBytes;
+          Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+          tma_load_2d(tm_gyl(P, q), &sm.full[st], a_s, kb * kBK, ti.row0);
+          for (int b = 0; b < 4; ++b)  // W2 rows h = K, columns f = N: four [64 f x 64 h] MN-major boxes
+            tma_load_2d(tm_w2(P, g), &sm.full[st], a_s + kATileBytes + b * (kBK * 64 * 2), ti.nt * 256 + 64 * b,
+                        kb * kBK);
+          if (++st == kStages) { st = 0; ph ^= 1u; }
+        }
       }
       for (int hf = 0; hf < 2; ++hf) {
         for (int part_u = 0; part_u < 2; ++part_u) {  // 0: g columns, 1: u columns (F further right)
@@ -155,6 +178,16 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
           }
           if (++st == kStages) { st = 0; ph ^= 1u; }
         }
+      }
+    } else if constexpr (kFp8) {  // stage 2: A = dh8 [128 rows x 128 B], B = W1^T e4m3 rows [nt*256, +256)
+      const int nk = 2 * B.F / kBKf8;
+      for (int kb = 0; kb < nk; ++kb) {
+        mbar_wait(B, &sm.empty[st], ph ^ 1u, q, 2);
+        uint8_t* a_s = sm.stages + st * kStageBytes;
+        Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
+        tma_load_2d(tm_dh(P, q), &sm.full[st], a_s, kb * kBKf8, ti.row0);
+        tma_load_2d(tm_w1mn(P, g), &sm.full[st], a_s + kATileBytes, kb * kBKf8, ti.nt * kBN);
+        if (++st == kStages) { st = 0; ph ^= 1u; }
       }
     } else {
       const int nk = ceil_div(2 * B.F, kBK);
@@ -401,6 +434,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
 // written back over g / u in the same smem words and TMA-stored per warpgroup (no per-thread global
 // stores; the epilogue went from 35 to 23 us per tile on the H200). act is written by the comm SMs
 // (bwd_act_rows). Both GEMM loops read B (W2, W1) MN-major, as stored.
+template <bool kFp8>
 __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
@@ -421,8 +455,19 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
     const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
     const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
-    const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
+    if constexpr (kFp8) {
+      const int nk = ti.kind == 1 ? H / kBKf8 : 2 * F / kBKf8;  // = scale blocks per A row
+      const float* sa = ti.kind == 1 ? P.br[q].gys : P.br[q].dhs;
+      const float* sa0 = r_lo < ti.rows ? sa + ((long long)ti.row0 + r_lo) * nk : nullptr;
+      const float* sa1 = r_lo + 8 < ti.rows ? sa + ((long long)ti.row0 + r_lo + 8) * nk : nullptr;
+      const float* ws = B.wscale[2 * bwd_expert(P, q, ti.expert) + (ti.kind == 1 ? 0 : 1)];
+      const int nb = (ti.kind == 1 ? F : H) / kScaleBlock;  // 128-row blocks of B (W2^T / W1^T)
+      const float* sb0 = ws + (long long)(2 * ti.nt) * nk;
+      const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
+      ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph);
+    } else {
+    const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
       mbar_wait(B, &sm.full[st], ph, q, 4);
@@ -445,6 +490,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
     cute::warpgroup_wait<0>();
     fence_acc(acc);
     if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+    }
 
     if (ti.kind == 1) {
       const unsigned long long t_epi = rec ? globaltimer_ns() : 0ull;
@@ -490,6 +536,33 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
           }
         }
         const int c_half = ti.nt * 256 + 128 * hf;  // first dh column of this half
+        if constexpr (kFp8) {
+          // the half's 128 dgate / dup columns of a row are one 1 x 128 block each (F % 128 == 0): read
+          // back this thread's own bf16 words (what wgrad sees) and store them as e4m3 + scale (dh8 / dhs)
+          if (c_half < F) {  // warp-uniform
+            // one (row, g/u) block at a time, not unrolled: the 128 accumulators of this half are still live
+#pragma unroll 1
+            for (int i = 0; i < 4; ++i) {
+              const int h = i & 1, part_u = i >> 1;
+              const int r = r_lo + 8 * h;
+              const uint8_t* src = part_u ? usm : gsm;
+              float v[32];
+#pragma unroll
+              for (int j = 0; j < 16; ++j) {
+                const int cc = 8 * j + 2 * (lane & 3);
+                const int off = (cc >> 6) * (kBM * kBK * 2) + sw128_offset(r, cc & 63);
+                const uint32_t w = *reinterpret_cast<const uint32_t*>(src + off);
+                const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+                v[2 * j] = f.x;
+                v[2 * j + 1] = f.y;
+              }
+              const long long row = (long long)ti.row0 + r;
+              const int c = part_u * F + c_half;  // first dh column of the block
+              uint8_t* dst = r < ti.rows ? P.br[q].dh8 + row * 2 * F + c : nullptr;
+              quantize_store_row128(dst, P.br[q].dhs + row * (2 * F / kScaleBlock) + c / kScaleBlock, v, lane);
+            }
+          }
+        }
         if (wg_rows == 64 && P.tma_store) {
           fence_view_async_shared();       // this thread's smem writes -> visible to the TMA store
           named_bar_sync(2 + wgc, 128);
@@ -547,6 +620,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
 }
 
 // Returns true for the consumer threads (they go on to the grad_x reduce).
+template <bool kFp8>
 __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
   const BSmem sm = bwd_carve(smem);
   if (threadIdx.x == 0) {
@@ -565,12 +639,14 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) bwd_producer(P, q, sm);
+    if (threadIdx.x == 0) bwd_producer<kFp8>(P, q, sm);
     return false;
   } else {
     setmaxnreg_inc<224>();
-    if (P.br[q].saved_h != nullptr)
-      bwd_consumer_saved(P, q, sm, wg - 1);
+    if constexpr (kFp8)  // the host launches the FP8 variant only with saved h
+      bwd_consumer_saved<true>(P, q, sm, wg - 1);
+    else if (P.br[q].saved_h != nullptr)
+      bwd_consumer_saved<false>(P, q, sm, wg - 1);
     else
       bwd_consumer(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
