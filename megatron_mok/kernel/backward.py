@@ -161,6 +161,16 @@ class _Args(ctypes.Structure):
         ("rank", ctypes.c_int),
         ("epoch", ctypes.c_uint),
         ("signal", ctypes.c_void_p),
+        # FP8 dgrad (kernel.dtype fp8): transposed e4m3 weights + scales per expert, e4m3 gy / dH per rank
+        ("fp8", ctypes.c_int),
+        ("w2t8", ctypes.c_void_p),
+        ("w2ts", ctypes.c_void_p),
+        ("w1t8", ctypes.c_void_p),
+        ("w1ts", ctypes.c_void_p),
+        ("gyl8", ctypes.c_void_p),
+        ("gys", ctypes.c_void_p),
+        ("dh8", ctypes.c_void_p),
+        ("dhs", ctypes.c_void_p),
     ]
 
 
