@@ -8,9 +8,10 @@ stream, no host sync; ``MOK_WGRAD=mm`` uses per-expert cuBLAS GEMMs instead, a d
 ``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
 
 ``dtype="fp8"`` (config ``kernel.dtype: fp8``): the FP8 forward kernel (e4m3, 1 x 128 activation /
-128 x 128 weight block scales; the expert weights quantised once per weight version, cached). The
-backward is still the bf16 kernel, from the saved fc1 output of the FP8 forward (or a bf16 recompute)
-and the bf16 weights: a straight-through FP8 forward; an FP8 dgrad is the next step (issue #5).
+128 x 128 weight block scales; the expert weights quantised once per weight version, cached). With the
+saved fc1 output (``kernel.save_fc1_output: true``, the default) the backward kernel runs its dgrad in
+FP8 too (gy and dH quantised inside it, the cached weights' transposed e4m3 copies) and its wgrad in
+bf16; with fc1 recompute the backward is the bf16 kernel (recompute has no FP8 variant).
 
 EP > 1 (one process per GPU, NCCL group): both kernels are launched per rank over torch symmetric
 memory (``kernel.peer_ep.mok_forward_rank``, ``kernel.backward.mok_backward_rank``); the ranks meet on
@@ -82,15 +83,22 @@ class KernelBackend:
             self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device)
         return b
 
-    def _fp8_weights(self, w1, w2):
-        """Fp8ExpertWeights of one owner's experts (as a one-rank list), or None for the bf16 kernel."""
+    def _fp8_weights(self, w1, w2, transposed: bool = False):
+        """Fp8ExpertWeights of one owner's experts (as a one-rank list), or None for the bf16 kernel
+        (``transposed``: with the FP8 dgrad's W^T copies, made once per weight version)."""
         if self.dtype != "fp8":
             return None
         from .kernel.fp8_weights import Fp8WeightCache
 
         if self._fp8_cache is None:
             self._fp8_cache = Fp8WeightCache()
-        return self._fp8_cache.experts([list(w1)], [list(w2)])
+        return self._fp8_cache.experts([list(w1)], [list(w2)], transposed=transposed)
+
+    def _fp8_dgrad_weights(self, state, w1, w2):
+        """The FP8 dgrad's weights when it applies (dtype fp8 and the forward kept h), else None."""
+        if state.get("kernel_saved_h") is None:
+            return None
+        return self._fp8_weights(w1, w2, transposed=True)
 
     def owner_rows(self, world: int, T: int, K: int) -> int:
         """Rows of an owner rank's row buffers at EP = world: every routed row (dropless worst case) or
@@ -169,8 +177,9 @@ class KernelBackend:
             main_grad_w1=mg1,
             main_grad_w2=mg2,
             check=self.check,
+            fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
         )
-        self.last_backward = "kernel (EP > 1, per-rank launch)"
+        self.last_backward = "kernel (EP > 1, per-rank launch" + (", fp8 dgrad)" if f8 is not None else ")")
         return gx, gw, gw1, gw2
 
     def _backward_peer_reference(self, plan: MokPlan, state, grad_out, w1, w2):
@@ -271,8 +280,9 @@ class KernelBackend:
                 main_grad_w1=None if mg1 is None else [list(mg1)],
                 main_grad_w2=None if mg2 is None else [list(mg2)],
                 check=self.check,
+                fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
             )
-            self.last_backward = "kernel"
+            self.last_backward = "kernel (fp8 dgrad)" if f8 is not None else "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]
         # fallback: the reference backward algorithm on the GPU
         layout = compute_layout([state.pop("topk_idx").long()], 0, plan.num_local_experts)

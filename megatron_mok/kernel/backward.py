@@ -280,6 +280,30 @@ def _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who
         _fail(f"wgrad must be one of {WGRAD_MODES}, got {wgrad!r}", who)
 
 
+def _check_fp8(fp8, has_saved_h: bool, R: int, L: int, H: int, F: int, device, fail) -> None:
+    """The FP8 dgrad's preconditions: saved fc1 output, block-scale sizes, the transposed weights."""
+    if not has_saved_h:
+        fail("the fp8 dgrad reads the forward's saved fc1 output: pass saved_h (fc1 recompute is bf16 only)")
+    if H % 128 or F % 128:
+        fail(f"the fp8 dgrad needs hidden ({H}) and ffn ({F}) sizes multiples of 128 (block scales)")
+    try:
+        fp8.validate_transposes(R, L, H, F, device)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+def _fp8_buffers(cap: int, H: int, F: int, device) -> dict[str, torch.Tensor]:
+    """One owner's e4m3 gy / dH rows (layout order) with their 1 x 128 block scales."""
+    f32 = dict(dtype=torch.float32, device=device)
+    e4 = dict(dtype=torch.float8_e4m3fn, device=device)
+    return dict(
+        gyl8=torch.empty((cap, H), **e4),
+        gys=torch.empty((cap, H // 128), **f32),
+        dh8=torch.empty((cap, 2 * F), **e4),
+        dhs=torch.empty((cap, 2 * F // 128), **f32),
+    )
+
+
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:
     return format_error(err, R, L, timeout_ms, kernel="MoK backward kernel", phases=_PHASES)
 
@@ -483,6 +507,7 @@ def mok_backward_emulated(
     return_buffers: bool = False,
     saved_h=None,
     timeline=None,
+    fp8=None,
 ):
     """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
 
@@ -493,6 +518,9 @@ def mok_backward_emulated(
     saved_h[q] [>= sum_r T_r * K, 2F] bf16: the forward kernel's fc1 output (``mok_forward_emulated(...,
     saved_h=...)``); stage 1 then reads h instead of recomputing x @ W1^T (None: recompute).
     timeline: a ``megatron_mok.kernel.timeline.Timeline`` to record per-SM intervals of this launch.
+    fp8: a ``kernel.fp8_weights.Fp8ExpertWeights`` of w1 / w2 with its transposes (``with_transposes()``)
+    selects the FP8 dgrad (kernel.dtype fp8): needs saved_h and hidden / ffn sizes multiples of 128; the
+    wgrad stays bf16 x bf16 -> fp32.
     """
     if not isinstance(x, (list, tuple)) or not x:
         _fail("x must be a non-empty list of per-rank tensors")
@@ -569,6 +597,8 @@ def mok_backward_emulated(
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < cap or t.shape[1] != 2 * F:
                 _fail(f"saved_h[{q}] must be [>= {cap}, {2 * F}] (every routed row may land on one owner)")
             _check(t, f"saved_h[{q}]", torch.bfloat16, tuple(t.shape), device)
+    if fp8 is not None:
+        _check_fp8(fp8, saved_h is not None, R, L, H, F, device, _fail)
     bf = dict(dtype=torch.bfloat16, device=device)
     grad_x = [torch.empty((T, H), **bf) for T in Ts]
     grad_w = [torch.empty((T, K), dtype=torch.float32, device=device) for T in Ts]
@@ -578,6 +608,7 @@ def mok_backward_emulated(
     gyl = [torch.empty((cap, H), **bf) for _ in range(R)]
     dh = [torch.empty((cap, 2 * F), **bf) for _ in range(R)]
     act = [torch.empty((cap, F), **bf) for _ in range(R)]
+    f8 = [_fp8_buffers(cap, H, F, device) for _ in range(R)] if fp8 is not None else []
 
     arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
@@ -605,6 +636,12 @@ def mok_backward_emulated(
         args.w2t = arr([w2t[q][e].data_ptr() for q in range(R) for e in range(L)])
     if saved_h is not None:
         args.saved_h = ptrs(saved_h)
+    if fp8 is not None:
+        flat = lambda lst: arr([t.data_ptr() for q in range(R) for t in lst[q]])  # noqa: E731
+        args.fp8 = 1
+        args.w2t8, args.w2ts, args.w1t8, args.w1ts = flat(fp8.w2tq), flat(fp8.w2ts), flat(fp8.w1tq), flat(fp8.w1ts)
+        args.gyl8, args.gys = ptrs([b["gyl8"] for b in f8]), ptrs([b["gys"] for b in f8])
+        args.dh8, args.dhs = ptrs([b["dh8"] for b in f8]), ptrs([b["dhs"] for b in f8])
     if timeline is not None:
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
 
@@ -658,7 +695,8 @@ def mok_backward_emulated(
             gw1.append(a1)
             gw2.append(a2)
     if return_buffers:
-        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act, grad_buf=grad_buf)
+        extra = {k: [b[k] for b in f8] for k in ("gyl8", "gys", "dh8", "dhs")} if f8 else {}
+        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act, grad_buf=grad_buf, **extra)
     return grad_x, grad_w, gw1, gw2
 
 
@@ -689,6 +727,7 @@ def mok_backward_rank(
     check: bool | str = True,
     timeline=None,
     return_buffers: bool = False,
+    fp8=None,
 ):
     """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.peer_ep.PeerBuffers`):
     one launch of the same backward kernel as :func:`mok_backward_emulated`, with one partition, meeting
@@ -712,6 +751,9 @@ def mok_backward_rank(
     ``owner_rows`` rows; 0 = world * T * K, the worst case of every routed row landing on this rank (no
     host sync to learn the real count). With fewer, a routing that sends this rank more rows is reported
     by the kernel (MokKernelError naming the rank and both counts) before any row is written.
+
+    fp8: this rank's ``Fp8ExpertWeights`` (one rank: ``w1q[0][e]``...) with transposes selects the FP8
+    dgrad, as in :func:`mok_backward_emulated`.
     """
     WHO = "mok_backward_rank"
 
@@ -748,6 +790,8 @@ def mok_backward_rank(
         if saved_h.dim() != 2 or saved_h.shape[0] < cap or saved_h.shape[1] != 2 * F:
             fail(f"saved_h must be [>= {cap}, {2 * F}] (owner_rows rows: the forward's saved fc1 output)")
         _check(saved_h, "saved_h", torch.bfloat16, tuple(saved_h.shape), device, who=WHO)
+    if fp8 is not None:
+        _check_fp8(fp8, saved_h is not None, 1, L, H, F, device, fail)
 
     stream = stream or torch.cuda.current_stream(device)
     bf = dict(dtype=torch.bfloat16, device=device)
@@ -771,6 +815,7 @@ def mok_backward_rank(
         dh = torch.empty((cap, 2 * F), **bf)
         act = torch.empty((cap, F), **bf)
         w2t = [w.t().contiguous() for w in w2] if saved_h is None else []  # recompute path only
+        f8 = _fp8_buffers(cap, H, F, device) if fp8 is not None else None
 
     lib = load_library()
     arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
@@ -810,6 +855,12 @@ def mok_backward_rank(
         args.w2t = arr([t.data_ptr() for t in w2t])
     if saved_h is not None:
         args.saved_h = own_only(saved_h.data_ptr())
+    if f8 is not None:
+        args.fp8 = 1
+        args.w2t8, args.w2ts = arr([t.data_ptr() for t in fp8.w2tq[0]]), arr([t.data_ptr() for t in fp8.w2ts[0]])
+        args.w1t8, args.w1ts = arr([t.data_ptr() for t in fp8.w1tq[0]]), arr([t.data_ptr() for t in fp8.w1ts[0]])
+        args.gyl8, args.gys = own_only(f8["gyl8"].data_ptr()), own_only(f8["gys"].data_ptr())
+        args.dh8, args.dhs = own_only(f8["dh8"].data_ptr()), own_only(f8["dhs"].data_ptr())
     args.rank = rank
     args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
     if timeline is not None:
@@ -860,7 +911,7 @@ def mok_backward_rank(
                 tpe, xl, gyl, dh, act, mode=wgrad, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2
             )
     if return_buffers:
-        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act)
+        return grad_x, grad_w, gw1, gw2, dict(tpe=tpe, xl=xl, gyl=gyl, dh=dh, act=act, **(f8 or {}))
     return grad_x, grad_w, gw1, gw2
 
 

@@ -82,12 +82,46 @@ def _install_optimizer_hook() -> None:
 @dataclass
 class Fp8ExpertWeights:
     """Per owner rank q and local expert e: fc1 ``w1q[q][e]`` e4m3 [2F, H] with ``w1s[q][e]`` fp32
-    [2F/128, H/128], fc2 ``w2q[q][e]`` e4m3 [H, F] with ``w2s[q][e]`` fp32 [H/128, F/128]."""
+    [2F/128, H/128], fc2 ``w2q[q][e]`` e4m3 [H, F] with ``w2s[q][e]`` fp32 [H/128, F/128].
+
+    The FP8 dgrad (backward kernel) reads the transposes, K-major as 8-bit WGMMA operands must be:
+    ``w1tq`` [H, 2F] / ``w1ts`` [H/128, 2F/128] and ``w2tq`` [F, H] / ``w2ts`` [F/128, H/128]. A 128 x 128
+    block quantisation of W^T is the transpose of W's (same blocks, same amax), so these are plain
+    transposed copies (``with_transposes``); None until made."""
 
     w1q: list[list[torch.Tensor]]
     w1s: list[list[torch.Tensor]]
     w2q: list[list[torch.Tensor]]
     w2s: list[list[torch.Tensor]]
+    w1tq: list[list[torch.Tensor]] | None = None
+    w1ts: list[list[torch.Tensor]] | None = None
+    w2tq: list[list[torch.Tensor]] | None = None
+    w2ts: list[list[torch.Tensor]] | None = None
+
+    def with_transposes(self) -> Fp8ExpertWeights:
+        """These weights with the transposed copies filled in (made here if missing; uncached)."""
+        if self.w1tq is not None:
+            return self
+        t = lambda lst: [[v.t().contiguous() for v in r] for r in lst]  # noqa: E731
+        return Fp8ExpertWeights(
+            self.w1q, self.w1s, self.w2q, self.w2s, t(self.w1q), t(self.w1s), t(self.w2q), t(self.w2s)
+        )
+
+    def validate_transposes(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
+        """The dgrad operands: present, shaped [H, 2F] / [F, H] (scales / 128), contiguous on device."""
+        if self.w1tq is None or self.w1ts is None or self.w2tq is None or self.w2ts is None:
+            raise ValueError("fp8 expert weights: the FP8 dgrad needs the transposed copies (with_transposes())")
+        self._check(
+            R,
+            L,
+            device,
+            {
+                "w1tq": ((H, 2 * F), torch.float8_e4m3fn),
+                "w1ts": ((H // fp8.BLOCK, 2 * F // fp8.BLOCK), torch.float32),
+                "w2tq": ((F, H), torch.float8_e4m3fn),
+                "w2ts": ((F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
+            },
+        )
 
     def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
         """R owner ranks of L experts each, fc1 [2F, H] / fc2 [H, F]: shapes, dtypes, placement."""
@@ -97,15 +131,26 @@ class Fp8ExpertWeights:
 
         if H % fp8.BLOCK or F % fp8.BLOCK:
             fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of {fp8.BLOCK} for block scales")
-        for name, lst in (("w1q", self.w1q), ("w1s", self.w1s), ("w2q", self.w2q), ("w2s", self.w2s)):
+        self._check(
+            R,
+            L,
+            device,
+            {
+                "w1q": ((2 * F, H), torch.float8_e4m3fn),
+                "w1s": ((2 * F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
+                "w2q": ((H, F), torch.float8_e4m3fn),
+                "w2s": ((H // fp8.BLOCK, F // fp8.BLOCK), torch.float32),
+            },
+        )
+
+    def _check(self, R: int, L: int, device: torch.device, shapes: dict) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"fp8 expert weights: {msg}")
+
+        for name in shapes:
+            lst = getattr(self, name)
             if len(lst) != R or any(len(v) != L for v in lst):
                 fail(f"{name} must hold {R} ranks x {L} experts")
-        shapes = {
-            "w1q": ((2 * F, H), torch.float8_e4m3fn),
-            "w1s": ((2 * F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
-            "w2q": ((H, F), torch.float8_e4m3fn),
-            "w2s": ((H // fp8.BLOCK, F // fp8.BLOCK), torch.float32),
-        }
         for name, (shape, dtype) in shapes.items():
             for q, per_rank in enumerate(getattr(self, name)):
                 for e, t in enumerate(per_rank):
@@ -124,6 +169,8 @@ class Fp8WeightCache:
         # id(w) -> (weak reference to w, its storage/version key, e4m3 copy, scales); the weak reference
         # makes a new tensor that reuses a freed one's id (and maybe its memory) a miss, not a stale hit
         self._entries: dict[int, tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor]] = {}
+        # id(w) -> (the e4m3 copy they were made from, its transpose, the scales' transpose): FP8 dgrad
+        self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _key(w: torch.Tensor) -> tuple:
@@ -138,23 +185,48 @@ class Fp8WeightCache:
             q, s = quantize_weight(w.detach())
         q, s = q.contiguous(), s.contiguous()
         self._entries = {k: v for k, v in self._entries.items() if v[0]() is not None}  # drop dead weights
+        self._transposed = {k: v for k, v in self._transposed.items() if k in self._entries}
         self._entries[id(w)] = (weakref.ref(w), key, q, s)
         return q, s
 
-    def experts(self, w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]]) -> Fp8ExpertWeights:
+    def get_transposed(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W^T e4m3, scales^T) of the current quantisation of w, made once per quantisation."""
+        q, s = self.get(w)
+        hit = self._transposed.get(id(w))
+        if hit is not None and hit[0] is q:
+            return hit[1], hit[2]
+        qt, st = q.t().contiguous(), s.t().contiguous()
+        self._transposed[id(w)] = (q, qt, st)
+        return qt, st
+
+    def experts(
+        self, w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]], transposed: bool = False
+    ) -> Fp8ExpertWeights:
+        """Per-rank lists of bf16 expert weights -> their cached quantisation (``transposed``: with the
+        FP8 dgrad's transposed copies, cached too)."""
         p1 = [[self.get(t) for t in per_rank] for per_rank in w1]
         p2 = [[self.get(t) for t in per_rank] for per_rank in w2]
-        return Fp8ExpertWeights(
+        out = Fp8ExpertWeights(
             w1q=[[a for a, _ in r] for r in p1],
             w1s=[[b for _, b in r] for r in p1],
             w2q=[[a for a, _ in r] for r in p2],
             w2s=[[b for _, b in r] for r in p2],
         )
+        if transposed:
+            t1 = [[self.get_transposed(t) for t in per_rank] for per_rank in w1]
+            t2 = [[self.get_transposed(t) for t in per_rank] for per_rank in w2]
+            out.w1tq, out.w1ts = [[a for a, _ in r] for r in t1], [[b for _, b in r] for r in t1]
+            out.w2tq, out.w2ts = [[a for a, _ in r] for r in t2], [[b for _, b in r] for r in t2]
+        return out
 
     def clear(self) -> None:
         self._entries.clear()
+        self._transposed.clear()
 
 
-def quantize_expert_weights(w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]]) -> Fp8ExpertWeights:
-    """One-off quantisation (no cache) of per-rank lists of bf16 expert weights."""
-    return Fp8WeightCache().experts(w1, w2)
+def quantize_expert_weights(
+    w1: list[list[torch.Tensor]], w2: list[list[torch.Tensor]], transposed: bool = False
+) -> Fp8ExpertWeights:
+    """One-off quantisation (no cache) of per-rank lists of bf16 expert weights (``transposed``: also
+    the FP8 dgrad's transposed copies)."""
+    return Fp8WeightCache().experts(w1, w2, transposed=transposed)

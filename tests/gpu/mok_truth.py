@@ -180,3 +180,97 @@ def exact_fp32(x, topk_idx, topk_weight, w1, w2):
                     y = a @ w2[q][e].float().t()
                     outs[r].index_add_(0, tt, y * topk_weight[r][tt, kk].unsqueeze(1))
         return outs
+
+
+@torch.no_grad()
+def ground_truth_fp8_backward(x, topk_idx, topk_weight, w1, w2, grad_out, combine, saved_h):
+    """The FP8 dgrad recipe the backward kernel follows (``kernel.dtype fp8``), row by row in layout order
+    from the kernel's own saved fc1 output ``saved_h[q]`` (bf16 [rows, 2F], layout order) and forward
+    ``combine[r]`` [T, K, H]:
+
+    * gy = bf16(w * grad_out), quantised 1 x 128; dA = gy @ W2 through the e4m3 W2^T (fp32 accumulation);
+    * SwiGLU backward in fp32 from h, dH rounded to bf16, then quantised 1 x 128; dX = dH @ W1 through the
+      e4m3 W1^T, rounded to bf16 per (token, k) and summed over k in fp32;
+    * wgrad from the bf16 operands in fp32: dW2 = gy^T act (act = bf16(silu(g) * u)), dW1 = dH^T x;
+    * grad_w[t, k] = <grad_out[t], combine[t, k]> in fp32.
+
+    Returns (grad_x[r] bf16, grad_w[r] fp32, dW1[q][e] fp32, dW2[q][e] fp32)."""
+    from megatron_mok import fp8
+
+    R, L = len(x), len(w1[0])
+    bufs = [
+        torch.zeros((t.shape[0], i.shape[1], t.shape[1]), dtype=torch.bfloat16, device=t.device)
+        for t, i in zip(x, topk_idx)
+    ]
+    dw1 = [[None] * L for _ in range(R)]
+    dw2 = [[None] * L for _ in range(R)]
+    with _no_tf32():
+        for q in range(R):
+            row = 0
+            for e in range(L):
+                g = q * L + e
+                F = w2[q][e].shape[1]
+                w1q, w1s = fp8.quantize_weight_128x128(w1[q][e])
+                w2q, w2s = fp8.quantize_weight_128x128(w2[q][e])
+                d1 = torch.zeros(w1[q][e].shape, dtype=torch.float32, device=x[0].device)
+                d2 = torch.zeros(w2[q][e].shape, dtype=torch.float32, device=x[0].device)
+                for r in range(R):
+                    tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
+                    n = tt.numel()
+                    if n == 0:
+                        continue
+                    h = saved_h[q][row : row + n].float()
+                    row += n
+                    gy = (topk_weight[r][tt, kk, None] * grad_out[r][tt].float()).bfloat16().float()
+                    gq, gs = fp8.quantize_act_1x128(gy)
+                    d_act = fp8.fp8_linear(gq, gs, w2q.t().contiguous(), w2s.t().contiguous())
+                    dh = fp8.swiglu_backward(h, d_act).bfloat16().float()
+                    hq, hs = fp8.quantize_act_1x128(dh)
+                    dx = fp8.fp8_linear(hq, hs, w1q.t().contiguous(), w1s.t().contiguous())
+                    bufs[r][tt, kk] = dx.bfloat16()
+                    act = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).bfloat16().float()
+                    d2 += gy.t() @ act
+                    d1 += dh.t() @ x[r][tt].float()
+                dw1[q][e], dw2[q][e] = d1, d2
+    gx, gw = [], []
+    for r in range(R):
+        valid = topk_idx[r] >= 0
+        acc = torch.zeros(x[r].shape, dtype=torch.float32, device=x[r].device)
+        for k in range(topk_idx[r].shape[1]):
+            acc += valid[:, k : k + 1].float() * bufs[r][:, k].float()
+        gx.append(acc.bfloat16())
+        dots = (grad_out[r].float()[:, None, :] * combine[r].float()).sum(-1)
+        gw.append(torch.where(valid, dots, torch.zeros_like(dots)))
+    return gx, gw, dw1, dw2
+
+
+def exact_fp32_grads(x, topk_idx, topk_weight, w1, w2, grad_out):
+    """Gradients of the unquantised fp32 layer (bf16 inputs, no intermediate roundings) by autograd:
+    (grad_x[r], grad_w[r], dW1[q][e], dW2[q][e]), all fp32 (error yardstick of the FP8 backward)."""
+    R, L = len(x), len(w1[0])
+    with _no_tf32(), torch.enable_grad():
+        xs = [t.float().requires_grad_() for t in x]
+        ws = [t.float().requires_grad_() for t in topk_weight]
+        W1 = [[w.float().requires_grad_() for w in per] for per in w1]
+        W2 = [[w.float().requires_grad_() for w in per] for per in w2]
+        loss = torch.zeros((), device=x[0].device)
+        for r in range(R):
+            out = torch.zeros(x[r].shape, dtype=torch.float32, device=x[r].device)
+            for q in range(R):
+                for e in range(L):
+                    tt, kk = torch.nonzero(topk_idx[r] == q * L + e, as_tuple=True)
+                    if tt.numel() == 0:
+                        continue
+                    F = w2[q][e].shape[1]
+                    h = xs[r][tt] @ W1[q][e].t()
+                    y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ W2[q][e].t()
+                    out = out.index_add(0, tt, y * ws[r][tt, kk, None])
+            loss = loss + (out * grad_out[r].float()).sum()
+        loss.backward()
+    zero = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731
+    return (
+        [zero(t) for t in xs],
+        [zero(t) for t in ws],
+        [[zero(w) for w in per] for per in W1],
+        [[zero(w) for w in per] for per in W2],
+    )

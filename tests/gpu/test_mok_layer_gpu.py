@@ -224,9 +224,10 @@ def test_lazy_error_check_reports_a_stall_without_host_sync():
 
 @pytest.mark.parametrize("save_fc1_output", [True, False])
 def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
-    """kernel.dtype fp8 through the autograd path: FP8 forward kernel, bf16 backward kernel. Output and
-    every gradient stay within the FP8 recipe's error of the bf16 backend's; weights are quantised once
-    per weight version (an in-place update re-quantises)."""
+    """kernel.dtype fp8 through the autograd path: FP8 forward kernel, then the backward kernel with FP8
+    dgrad (saved fc1 output) or bf16 (recompute). Output and every gradient stay within the FP8 recipe's
+    error of the bf16 backend's; weights are quantised once per weight version (an in-place update
+    re-quantises)."""
     _kernel_or_skip()
 
     from megatron_mok.backend import select_backend
@@ -255,6 +256,7 @@ def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
     p8 = [t.clone().requires_grad_() for t in (*w1, *w2)]
     _, ref = run("bf16", p16)
     backend8, got = run("fp8", p8)
+    assert backend8.last_backward == ("kernel (fp8 dgrad)" if save_fc1_output else "kernel")
     names = ["out", "grad x", "grad probs"] + [f"grad w1[{e}]" for e in range(L)] + [f"grad w2[{e}]" for e in range(L)]
     for name, a, b in zip(names, got, ref):
         assert torch.isfinite(a.float()).all(), f"{name}: not finite"
