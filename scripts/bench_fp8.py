@@ -9,6 +9,8 @@ For each slice (emulated EP 1, one launch, same inputs):
             optimizer step in training), whose time is printed separately
 Prints ms, TFLOP/s (2*rows*H*2F + 2*rows*F*H), bf16 / dense, fp8 speedup over bf16, and both kernels'
 relative error vs the fp32 layer (first --err-tokens tokens).
+--backward: also the backward kernel from the saved fc1 output, bf16 dgrad vs FP8 dgrad (each with the
+bf16 wgrad kernel, and dgrad alone), and grad_x's relative error vs fp32 autograd.
     python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
         [--sweep-comm 8,12 --sweep-mb 4096,6144]   # both kernels over this grid too; each at its best
 """
@@ -115,7 +117,64 @@ def bench(name: str, args, results: list) -> None:
         f"fp8 {res['fp8']['rel_err_vs_fp32']:.2e}",
         flush=True,
     )
+    if args.backward:
+        bench_backward(name, args, res, x, idx, w, w1l, w2l, n)
     results.append(res)
+
+
+def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> None:
+    from mok_truth import exact_fp32_grads, rel_err
+
+    import megatron_mok.kernel as mk
+    from megatron_mok.kernel import backward as bk
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    H, F, K, L, T = SHAPES[name]
+    rows = T * K
+    dgrad_flops = 2.0 * rows * H * F + 2.0 * rows * 2 * F * H  # dA = gy @ W2, dX = dH @ W1
+    wgrad_flops = 2.0 * rows * 2 * F * H + 2.0 * rows * H * F
+    kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    t_q, _ = timeit(lambda: quantize_expert_weights(w1l, w2l, transposed=True), 3, 1)
+    q8 = quantize_expert_weights(w1l, w2l, transposed=True)
+    print(f"fp8 weights incl. the dgrad's W^T copies (once per optimizer step): {t_q:.3f} ms", flush=True)
+    go = (torch.randn((T, H), device="cuda") * 0.1).bfloat16()
+    exact_gx = exact_fp32_grads([x[:n]], [idx[:n]], [w[:n]], w1l, w2l, [go[:n]])[0][0]
+    out = {}
+    for kind, f8 in (("bf16", None), ("fp8", q8)):
+        saved = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
+        _, comb, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=saved, fp8=f8, **kw)
+        comb = [comb[0].view(T, K, H)]
+        for wg in ("kernel", "none"):
+
+            def fn(wg=wg, f8=f8, saved=saved, comb=comb):
+                return bk.mok_backward_emulated(
+                    [go], [x], [idx], [w], comb, w1l, w2l, saved_h=saved, fp8=f8, wgrad=wg, check=False, **kw
+                )
+
+            gx = fn()[0][0]
+            bk.check_last_error()
+            ms, mn = timeit(fn, args.iters, 2)
+            bk.check_last_error()
+            key = f"{kind}_bwd" if wg == "kernel" else f"{kind}_dgrad"
+            fl = dgrad_flops + (wgrad_flops if wg == "kernel" else 0.0)
+            out[key] = {"ms": ms, "min_ms": mn, "tflops": fl / (ms * 1e-3) / 1e12}
+            if wg == "kernel":
+                out[key]["grad_x_rel_err_vs_fp32"] = rel_err(gx[:n], exact_gx)
+            print(
+                f"MoK backward {kind:4s} dgrad, wgrad {'kernel' if wg == 'kernel' else 'off   '}: {ms:.3f} ms "
+                f"(min {mn:.3f}) = {fl / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+                + (f" | grad_x rel err vs fp32 {out[key]['grad_x_rel_err_vs_fp32']:.3e}" if wg == "kernel" else ""),
+                flush=True,
+            )
+    res["backward"] = out
+    print(
+        f"SUMMARY {name} backward: bf16 {out['bf16_bwd']['ms']:.3f} ms, fp8 dgrad {out['fp8_bwd']['ms']:.3f} ms "
+        f"-> {out['bf16_bwd']['ms'] / out['fp8_bwd']['ms']:.2f}x | dgrad alone bf16 {out['bf16_dgrad']['ms']:.3f} "
+        f"fp8 {out['fp8_dgrad']['ms']:.3f} -> {out['bf16_dgrad']['ms'] / out['fp8_dgrad']['ms']:.2f}x | grad_x rel "
+        f"err vs fp32: bf16 {out['bf16_bwd']['grad_x_rel_err_vs_fp32']:.2e}, fp8 "
+        f"{out['fp8_bwd']['grad_x_rel_err_vs_fp32']:.2e}",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -129,6 +188,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
+    ap.add_argument("--backward", action="store_true", help="also bf16 vs FP8 dgrad of the backward kernel")
     args = ap.parse_args()
     import megatron_mok.kernel as mk
 
