@@ -133,7 +133,8 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
     rows = T * K
     dgrad_flops = 2.0 * rows * H * F + 2.0 * rows * 2 * F * H  # dA = gy @ W2, dX = dH @ W1
     wgrad_flops = 2.0 * rows * 2 * F * H + 2.0 * rows * H * F
-    kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    # the backward's comm SMs pull two rows (x, gy) per layout row and write act: its own SM split
+    kw = dict(comm_sms=args.bwd_comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
     t_q, _ = timeit(lambda: quantize_expert_weights(w1l, w2l, transposed=True), 3, 1)
     q8 = quantize_expert_weights(w1l, w2l, transposed=True)
     print(f"fp8 weights incl. the dgrad's W^T copies (once per optimizer step): {t_q:.3f} ms", flush=True)
@@ -167,6 +168,7 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
                 flush=True,
             )
     res["backward"] = out
+    print(f"(backward comm_sms={args.bwd_comm_sms}, minibatch={args.minibatch})", flush=True)
     print(
         f"SUMMARY {name} backward: bf16 {out['bf16_bwd']['ms']:.3f} ms, fp8 dgrad {out['fp8_bwd']['ms']:.3f} ms "
         f"-> {out['bf16_bwd']['ms'] / out['fp8_bwd']['ms']:.2f}x | dgrad alone bf16 {out['bf16_dgrad']['ms']:.3f} "
@@ -189,6 +191,7 @@ def main() -> int:
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
     ap.add_argument("--backward", action="store_true", help="also bf16 vs FP8 dgrad of the backward kernel")
+    ap.add_argument("--bwd-comm-sms", type=int, default=16, help="comm SMs of the backward kernel")
     args = ap.parse_args()
     import megatron_mok.kernel as mk
 

@@ -4,6 +4,7 @@
     python scripts/timeline.py --config kimi-k2 --out timeline       # GPU: writes timeline.json (+ .png)
     python scripts/timeline.py --pass backward --out timeline-bwd    # the backward kernel (saved h)
     python scripts/timeline.py --dtype fp8 --out timeline-fp8        # the FP8 forward kernel
+    python scripts/timeline.py --pass backward --dtype fp8 --out timeline-bwd-fp8   # FP8 dgrad
     python scripts/timeline.py --render timeline.json                # anywhere with matplotlib: the PNG
 
 Shows when each SM ran schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final
@@ -52,11 +53,11 @@ def record(args) -> str:
     kw = dict(comm_sms=args.comm_sms or k.comm_sms, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
     tl = Timeline(cap=args.cap)
     if args.dtype == "fp8":
-        if args.pass_ != "forward":
-            raise SystemExit("--dtype fp8: only the forward kernel has an FP8 variant")
+        if args.pass_ != "forward" and not args.saved_h:
+            raise SystemExit("--dtype fp8 --pass backward: the FP8 dgrad reads the saved fc1 output (no --recompute)")
         from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
-        kw["fp8"] = quantize_expert_weights(w1, w2)
+        kw["fp8"] = quantize_expert_weights(w1, w2, transposed=args.pass_ == "backward")
     if args.pass_ == "forward":
         for _ in range(3):
             mok_forward_emulated(x, idx, w, w1, w2, **kw)
@@ -130,7 +131,7 @@ def main() -> None:
     ap.add_argument("--cap", type=int, default=8192, help="events per CTA")
     ap.add_argument("--out", default="timeline")
     ap.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward")
-    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="forward kernel variant")
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="kernel variant (fp8 backward: dgrad)")
     ap.add_argument(
         "--recompute", dest="saved_h", action="store_false", help="backward: recompute fc1 instead of the saved h"
     )
