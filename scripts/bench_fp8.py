@@ -134,7 +134,7 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
     dgrad_flops = 2.0 * rows * H * F + 2.0 * rows * 2 * F * H  # dA = gy @ W2, dX = dH @ W1
     wgrad_flops = 2.0 * rows * 2 * F * H + 2.0 * rows * H * F
     # the backward's comm SMs pull two rows (x, gy) per layout row and write act: its own SM split
-    kw = dict(comm_sms=args.bwd_comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    kw = dict(comm_sms=args.bwd_comm_sms[0], ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
     t_q, _ = timeit(lambda: quantize_expert_weights(w1l, w2l, transposed=True), 3, 1)
     q8 = quantize_expert_weights(w1l, w2l, transposed=True)
     print(f"fp8 weights incl. the dgrad's W^T copies (once per optimizer step): {t_q:.3f} ms", flush=True)
@@ -167,8 +167,20 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
                 + (f" | grad_x rel err vs fp32 {out[key]['grad_x_rel_err_vs_fp32']:.3e}" if wg == "kernel" else ""),
                 flush=True,
             )
+        for comm in args.bwd_comm_sms[1:]:  # the others of the split sweep (dgrad + wgrad kernel)
+            kw2 = dict(kw, comm_sms=comm)
+            ms, _ = timeit(
+                lambda kw2=kw2, f8=f8, saved=saved, comb=comb: bk.mok_backward_emulated(
+                    [go], [x], [idx], [w], comb, w1l, w2l, saved_h=saved, fp8=f8, check=False, **kw2
+                ),
+                args.iters,
+                2,
+            )
+            bk.check_last_error()
+            print(f"  backward {kind} comm_sms={comm}: {ms:.3f} ms", flush=True)
+            out.setdefault(f"{kind}_bwd_sweep", []).append({"comm_sms": comm, "ms": ms})
     res["backward"] = out
-    print(f"(backward comm_sms={args.bwd_comm_sms}, minibatch={args.minibatch})", flush=True)
+    print(f"(backward comm_sms={args.bwd_comm_sms[0]}, minibatch={args.minibatch})", flush=True)
     print(
         f"SUMMARY {name} backward: bf16 {out['bf16_bwd']['ms']:.3f} ms, fp8 dgrad {out['fp8_bwd']['ms']:.3f} ms "
         f"-> {out['bf16_bwd']['ms'] / out['fp8_bwd']['ms']:.2f}x | dgrad alone bf16 {out['bf16_dgrad']['ms']:.3f} "
@@ -191,7 +203,12 @@ def main() -> int:
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
     ap.add_argument("--backward", action="store_true", help="also bf16 vs FP8 dgrad of the backward kernel")
-    ap.add_argument("--bwd-comm-sms", type=int, default=16, help="comm SMs of the backward kernel")
+    ap.add_argument(
+        "--bwd-comm-sms",
+        type=lambda v: [int(c) for c in v.split(",") if c],
+        default=[16],
+        help="comm SMs of the backward kernel (a list: the first is the main figure, the rest a sweep)",
+    )
     args = ap.parse_args()
     import megatron_mok.kernel as mk
 

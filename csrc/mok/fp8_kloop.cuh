@@ -13,9 +13,9 @@ namespace mok {
 // FP8 K loop of one tile: acc = sum_kb P_kb * sa[row, kb] * sb[col block, kb] (see rescale_half).
 // sa0 / sa1: this thread's two rows' activation scales ([*, nkb] fp32, written in this kernel: read
 // through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
-// ([*, nkb], nullptr past the matrix). Each K block is one WGMMA group (two m64n128k32 chains, one per
-// 128-column half); before block kb's group the accumulator waits for block kb-1's (wait<0>) and is
-// rescaled to block kb's scales.
+// ([*, nkb], nullptr past the matrix). Each K block is one WGMMA group of four m64n256k32 (A read once
+// for both 128-column scale blocks); before block kb's group the accumulator waits for block kb-1's
+// (wait<0>) and is rescaled to block kb's scales, per row and per 128-column half.
 //
 // Why wait<0> and not a group per half with wait<1>: ptxas does not track which in-flight group writes
 // which registers; an FMUL on a half whose group has landed while the other half's group still runs
@@ -53,13 +53,10 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     const uint64_t da = make_smem_desc_sw128(a_s);
     fence_acc(acc);
     cute::warpgroup_arrive();
+    const uint64_t db = make_smem_desc_sw128(b_s);  // 256 rows of 128 B: both column blocks
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const uint64_t db = make_smem_desc_sw128(b_s + c * (kBTileBytes / 2));
-#pragma unroll
-      for (int kk = 0; kk < kBKf8 / 32; ++kk)
-        wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc + 64 * c, (kb > 0) || (kk > 0));
-    }
+    for (int kk = 0; kk < kBKf8 / 32; ++kk)
+      wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
     pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;

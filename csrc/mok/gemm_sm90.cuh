@@ -65,6 +65,7 @@ using Wgmma256BMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Maj
 using Wgmma256MnMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
 // FP8 WGMMA takes K-major operands only; one k32 step is 32 B of each SW128 row, like a bf16 k16 step.
 using Wgmma128F8 = gmma::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+using Wgmma256F8 = gmma::MMA_64x256x32_F32E4M3E4M3_SS_TN<>;
 
 // d[128] += A(64x16, smem) * B(256x16, smem)^T   (or d = A*B^T when !accumulate)
 __device__ __forceinline__ void wgmma_64x256x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
@@ -82,6 +83,11 @@ __device__ __forceinline__ void wgmma_64x256x16_mnmn(uint64_t da, uint64_t db, f
 // the m64n256 accumulator (d = acc or acc + 64), so promotion can overlap the other half's MMAs.
 __device__ __forceinline__ void wgmma_64x128x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
   wgmma_atom<Wgmma128F8, 64>(da, db, d, accumulate);
+}
+// FP8 full tile: d[128] (+)= A(64 x 32 e4m3) * B(256 x 32 e4m3)^T; the same register layout as two
+// 128-column halves (d[0..64) = columns 0-127), with A read once for all 256 columns.
+__device__ __forceinline__ void wgmma_64x256x32_e4m3(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma_atom<Wgmma256F8, 128>(da, db, d, accumulate);
 }
 
 __device__ __forceinline__ void fence_acc(float* d) {
