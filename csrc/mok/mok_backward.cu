@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     if (!bwd_comm_role<kFp8>(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0) s_flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     __syncthreads();
-    if (!s_flag) return;
+    if (!s_flag || P.defer_home) return;  // deferred: the wgrad kernel sums grad_x (home_reduce.cuh)
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_grad_x_reduce(P, q);
     if (B.timeline != nullptr) {
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     int* flag = reinterpret_cast<int*>(smem);
     if (threadIdx.x == 128) *flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     named_bar_sync(1, 256);
-    if (!*flag) return;
+    if (!*flag || P.defer_home) return;
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_grad_x_reduce(P, q);
     if (B.timeline != nullptr) {
@@ -156,6 +156,9 @@ struct MokBwdArgs {
   const unsigned long long* gys;
   const unsigned long long* dh8;
   const unsigned long long* dhs;
+  // 1: skip the router-weight gradient and the grad_x sum; the wgrad launch that follows on the same
+  // stream does them (MokWgradArgs.home_parts) with its idle producer warps. 0: done here.
+  int defer_home;
 };
 
 }  // extern "C"
@@ -431,6 +434,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.t1 = ws.mt_max * P.nt1;
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);
+  P.defer_home = a->defer_home ? 1 : 0;
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
@@ -504,6 +508,18 @@ struct MokWgradArgs {
   unsigned long long workspace;
   unsigned long long workspace_bytes;
   unsigned long long err;             // device int32[8]: the dgrad launch's record (not cleared here)
+  // Home-side reductions of the preceding dgrad launch (made with defer_home = 1), 0 = none: per home
+  // rank (host [home_parts]) T, grad_out [T, H], combine [T, K, H], grad_buf [T, K, H], idx [T, K] int32,
+  // grad_w [T, K] fp32 and grad_x [T, H] outputs.
+  int K;
+  int home_parts;
+  const long long* h_T;
+  const unsigned long long* h_grad_out;
+  const unsigned long long* h_combine;
+  const unsigned long long* h_grad_buf;
+  const unsigned long long* h_idx;
+  const unsigned long long* h_grad_w;
+  const unsigned long long* h_grad_x;
 };
 
 }  // extern "C"
@@ -511,7 +527,7 @@ struct MokWgradArgs {
 namespace {
 
 struct WgradWs {
-  size_t tmaps, tpe, out1, out2, ticket, total;
+  size_t tmaps, tpe, out1, out2, home, ticket, total;
 };
 
 WgradWs wgrad_plan(const MokWgradArgs* a) {
@@ -522,7 +538,8 @@ WgradWs wgrad_plan(const MokWgradArgs* a) {
   w.tpe = take((size_t)a->np * sizeof(void*));
   w.out1 = take((size_t)a->np * a->L * sizeof(mok::bwd::WgradOut));
   w.out2 = take((size_t)a->np * a->L * sizeof(mok::bwd::WgradOut));
-  w.ticket = take(64);
+  w.home = take((size_t)std::max(a->home_parts, 1) * sizeof(mok::bwd::HomeRank));
+  w.ticket = take(64 + (size_t)8 * std::max(a->home_parts, 0));  // ticket, then the home cursors
   w.total = off;
   return w;
 }
@@ -533,6 +550,9 @@ bool wgrad_validate(const MokWgradArgs* a, char* eb, int el) {
   if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
   if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
   if (a->cap < 1 || a->cap >= (1LL << 31)) return !write_err(eb, el, "cap=%lld out of [1, 2^31)", a->cap);
+  if (a->home_parts < 0 || a->home_parts > MOK_MAX_RANKS)
+    return !write_err(eb, el, "home_parts=%d out of [0, %d]", a->home_parts, MOK_MAX_RANKS);
+  if (a->home_parts > 0 && (a->K < 1 || a->K > 64)) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
   return true;
 }
 
@@ -589,6 +609,22 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
     o2[g].ld = a->gw2_ld[g];
   }
 
+  mok::bwd::HomeRank* hr = reinterpret_cast<mok::bwd::HomeRank*>(host + ws.home);
+  for (int p = 0; p < a->home_parts; ++p) {
+    if (a->h_T[p] < 0 || a->h_T[p] >= (1LL << 31))
+      return write_err(errbuf, errlen, "wgrad: home rank %d: T=%lld out of range", p, a->h_T[p]);
+    if (a->h_T[p] > 0 && (!a->h_grad_out[p] || !a->h_combine[p] || !a->h_grad_buf[p] || !a->h_idx[p] ||
+                          !a->h_grad_w[p] || !a->h_grad_x[p]))
+      return write_err(errbuf, errlen, "wgrad: home rank %d: a reduction buffer pointer is null", p);
+    hr[p].grad_out = reinterpret_cast<const __nv_bfloat16*>(a->h_grad_out[p]);
+    hr[p].combine = reinterpret_cast<const __nv_bfloat16*>(a->h_combine[p]);
+    hr[p].grad_buf = reinterpret_cast<const __nv_bfloat16*>(a->h_grad_buf[p]);
+    hr[p].idx = reinterpret_cast<const int*>(a->h_idx[p]);
+    hr[p].grad_w = reinterpret_cast<float*>(a->h_grad_w[p]);
+    hr[p].grad_x = reinterpret_cast<__nv_bfloat16*>(a->h_grad_x[p]);
+    hr[p].T = (int)a->h_T[p];
+  }
+
   mok::bwd::WgradParams P{};
   P.base.R = np;
   P.base.L = L;
@@ -617,6 +653,10 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
   P.out1 = reinterpret_cast<const mok::bwd::WgradOut*>(wsp + ws.out1);
   P.out2 = reinterpret_cast<const mok::bwd::WgradOut*>(wsp + ws.out2);
   P.ticket = reinterpret_cast<unsigned*>(wsp + ws.ticket);
+  P.K = a->K;
+  P.home_parts = std::max(a->home_parts, 0);
+  P.home = reinterpret_cast<const mok::bwd::HomeRank*>(wsp + ws.home);
+  P.home_cursor = reinterpret_cast<unsigned*>(wsp + ws.ticket + 64);
 
   const int smem = mok::bwd::wgrad_smem_bytes() + 1024;
   static int cached_smem[64] = {0};
@@ -627,7 +667,7 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
   }
   MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ticket, cudaMemcpyHostToDevice, stream));
   MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.ticket, 0, 64, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.ticket, 0, ws.total - ws.ticket, stream));
   const unsigned grid = (unsigned)std::min<long long>(num_sms, std::max<long long>(total, 1));
   mok::bwd::mok_wgrad_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
   MOK_CUDA_CHECK(cudaGetLastError());

@@ -27,6 +27,7 @@ import hashlib
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -171,6 +172,8 @@ class _Args(ctypes.Structure):
         ("gys", ctypes.c_void_p),
         ("dh8", ctypes.c_void_p),
         ("dhs", ctypes.c_void_p),
+        # 1: the wgrad launch that follows does the router grad and the grad_x sum (HomeReductions)
+        ("defer_home", ctypes.c_int),
     ]
 
 
@@ -197,7 +200,33 @@ class _WgradArgs(ctypes.Structure):
         ("workspace", ctypes.c_ulonglong),
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
+        # home-side reductions of a dgrad launch made with defer_home (HomeReductions)
+        ("K", ctypes.c_int),
+        ("home_parts", ctypes.c_int),
+        ("h_T", ctypes.c_void_p),
+        ("h_grad_out", ctypes.c_void_p),
+        ("h_combine", ctypes.c_void_p),
+        ("h_grad_buf", ctypes.c_void_p),
+        ("h_idx", ctypes.c_void_p),
+        ("h_grad_w", ctypes.c_void_p),
+        ("h_grad_x", ctypes.c_void_p),
     ]
+
+
+@dataclass
+class HomeReductions:
+    """The router-weight gradient and the grad_x top-k sum of home ranks, left by a dgrad launch with
+    ``defer_home`` to the wgrad launch that follows (csrc/mok/backward/home_reduce.cuh). Per home rank:
+    grad_out [T, H], combine [T, K, H], grad_buf [T, K, H] bf16, idx [T, K] int32; outputs grad_w [T, K]
+    fp32 and grad_x [T, H] bf16 (device pointers only: every tensor is checked by the dgrad entry point)."""
+
+    grad_out: list[torch.Tensor]
+    combine: list[torch.Tensor]
+    grad_buf: list[torch.Tensor]
+    idx: list[torch.Tensor]
+    grad_w: list[torch.Tensor]
+    grad_x: list[torch.Tensor]
+    K: int
 
 
 _lock = threading.Lock()
@@ -399,6 +428,7 @@ def weight_grads_kernel(
     err: torch.Tensor | None = None,
     timeout_ms: float = 10000.0,
     rank0: int = 0,
+    home: HomeReductions | None = None,
 ):
     """Expert weight gradients of one or more owner ranks (partitions) in ONE launch of the wgrad kernel.
 
@@ -411,6 +441,8 @@ def weight_grads_kernel(
     (main_grad too) is set to NaN, so a training step stops at Megatron's gradient NaN check even when
     the record is read lazily. None: a fresh record, read through the lazy checker
     (``megatron_mok.kernel.check_pending_errors``). rank0: rank of partition 0, for error reports.
+    home: the deferred home-side reductions of the preceding dgrad launch, computed by this launch's
+    otherwise idle producer warps.
     """
     WHO = "weight_grads_kernel"
 
@@ -468,6 +500,12 @@ def weight_grads_kernel(
     a.gw1_ld = arr_i64([m.stride(0) for row in gw1 for m in row])
     a.gw2 = arr([m.data_ptr() for row in gw2 for m in row])
     a.gw2_ld = arr_i64([m.stride(0) for row in gw2 for m in row])
+    if home is not None:
+        ptrs = lambda ts: arr([t.data_ptr() for t in ts])  # noqa: E731
+        a.K, a.home_parts = home.K, len(home.grad_x)
+        a.h_T = arr_i64([t.shape[0] for t in home.grad_x])
+        a.h_grad_out, a.h_combine, a.h_grad_buf = ptrs(home.grad_out), ptrs(home.combine), ptrs(home.grad_buf)
+        a.h_idx, a.h_grad_w, a.h_grad_x = ptrs(home.idx), ptrs(home.grad_w), ptrs(home.grad_x)
     nbytes = lib.mok_wgrad_workspace_bytes(ctypes.byref(a))
     if nbytes < 0:
         fail(f"sizes rejected by the library (L={L}, H={H}, F={F}, cap={cap})")
@@ -644,6 +682,11 @@ def mok_backward_emulated(
         args.dh8, args.dhs = ptrs([b["dh8"] for b in f8]), ptrs([b["dhs"] for b in f8])
     if timeline is not None:
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
+    # the wgrad kernel that follows takes the router grad and the grad_x sum (its idle producer warps)
+    home = None
+    if wgrad == "kernel":
+        args.defer_home = 1
+        home = HomeReductions(grad_out, combine_buf, grad_buf, topk_idx, grad_w, grad_x, K)
 
     nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
@@ -672,7 +715,16 @@ def mok_backward_emulated(
     gw1 = gw2 = None
     if wgrad == "kernel":  # every partition in one launch, before the (synchronising) error check
         gw1, gw2 = weight_grads_kernel(
-            tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=err, timeout_ms=timeout_ms
+            tpe,
+            xl,
+            gyl,
+            dh,
+            act,
+            main_grad_w1=main_grad_w1,
+            main_grad_w2=main_grad_w2,
+            err=err,
+            timeout_ms=timeout_ms,
+            home=home,
         )
     if check == "lazy":  # no host sync: the record is read asynchronously (kernel.check_pending_errors)
         _lazy_checker(dev).after_launch(err, stream, R=R, L=L, timeout_ms=timeout_ms, fmt=_error_message)
@@ -866,6 +918,12 @@ def mok_backward_rank(
     if timeline is not None:
         grid = ctas or torch.cuda.get_device_properties(args.device).multi_processor_count
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(grid, device)
+    home = None
+    if wgrad == "kernel":  # this rank's router grad and grad_x sum: in the wgrad launch (see emulated)
+        args.defer_home = 1
+        home = HomeReductions(
+            [bufs.grad_out[:T]], [combine_buf], [bufs.grad_buf[:T]], [bufs.idx[:T]], [grad_w], [grad_x], K
+        )
     nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         fail("invalid sizes (rejected by the library)")
@@ -896,6 +954,7 @@ def mok_backward_rank(
                 err=bufs.bwd_err,
                 timeout_ms=timeout_ms,
                 rank0=rank,
+                home=home,
             )
         gw1, gw2 = g1[0], g2[0]
     if check == "lazy":

@@ -9,12 +9,14 @@
 //   then publishes ready[q][i] (+1 per comm CTA, release).
 // Background work, one share after each minibatch's pull (the pulls leave the comm SMs idle most of the
 //   time, and doing it after the last pull would leave a tail on them):
-//   router-weight grad grad_w[t,k] = <grad_out[t], combine[t,k]> (fp32) of rank q's own tokens, and, when
+//   router-weight grad grad_w[t,k] = <grad_out[t], combine[t,k]> (fp32) of rank q's own tokens (unless
+//   the wgrad kernel does it: defer_home), and, when
 //   the forward kept h, act[row] = bf16(silu(g) * u) of minibatch i's rows (only the wgrad reads it).
 // grad_x (home): once every compute CTA of every rank is done, grad_x[t] = bf16(sum_k grad_buf[t,k])
 //   in fp32, k ascending, slots with idx == -1 skipped; tokens handed out by an atomic cursor.
 #pragma once
 #include "bwd_common.cuh"
+#include "home_reduce.cuh"
 #include "../fp8_quant.cuh"
 
 namespace mok {
@@ -81,35 +83,17 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
   }
 }
 
+// Rank q's home-side buffers as the reductions of home_reduce.cuh take them.
+__device__ __forceinline__ HomeRank home_rank(const BwdParams& P, int q) {
+  const RankTable& rt = P.base.ranks[q];
+  const BwdRank& me = P.br[q];
+  return HomeRank{me.grad_out, me.combine, me.grad_buf, rt.idx, me.grad_w, me.grad_x, rt.T};
+}
+
 // grad_w[t, k] for rank q's (token, k) entries [lo, hi); worker / nworkers = warp index / count.
 __device__ void bwd_router_grad(const BwdParams& P, int q, long long lo, long long hi, int worker, int nworkers) {
-  const Params& B = P.base;
-  const int lane = threadIdx.x & 31;
-  const int H = B.H, K = B.K;
-  const RankTable rt = B.ranks[q];
-  const BwdRank me = P.br[q];
-  for (long long e = lo + worker; e < hi; e += nworkers) {
-    const long long t = e / K;
-    const uint4* go = reinterpret_cast<const uint4*>(me.grad_out + t * H);
-    const uint4* cb = reinterpret_cast<const uint4*>(me.combine + e * H);
-    float acc = 0.f;
-    if (rt.idx[e] >= 0) {
-      for (int v = lane; v < H / 8; v += 32) {
-        const uint4 a = __ldg(go + v), b = __ldg(cb + v);
-        const __nv_bfloat162* pa = reinterpret_cast<const __nv_bfloat162*>(&a);
-        const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&b);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 fa = __bfloat1622float2(pa[i]), fb = __bfloat1622float2(pb[i]);
-          acc = fmaf(fa.x, fb.x, acc);
-          acc = fmaf(fa.y, fb.y, acc);
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-    }
-    if (lane == 0) me.grad_w[e] = acc;
-  }
+  const HomeRank h = home_rank(P, q);
+  for (long long e = lo + worker; e < hi; e += nworkers) router_grad_entry(h, e, P.base.K, P.base.H, threadIdx.x & 31);
 }
 
 // act[row] = bf16(silu(g) * u) from the forward's h = [g | u] for owner q's layout rows [a, b): the same
@@ -201,14 +185,14 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
     if (threadIdx.x == 0) timeline_record(B, kTlBwdPull, (unsigned)i, t0, globaltimer_ns());
     // background share i
     if (B.timeline != nullptr) t0 = globaltimer_ns();
-    bwd_router_grad(P, q, n_rg * i / nmb, n_rg * (i + 1) / nmb, gw, stride);
+    if (!P.defer_home) bwd_router_grad(P, q, n_rg * i / nmb, n_rg * (i + 1) / nmb, gw, stride);
     if (act_here) bwd_act_rows(P, q, a, b, gw, stride);
     if (B.timeline != nullptr) {
       __syncthreads();
       if (threadIdx.x == 0) timeline_record(B, kTlBwdBackground, (unsigned)i, t0, globaltimer_ns());
     }
   }
-  if (nmb == 0) {  // this owner received no rows: the router grad still needs doing
+  if (nmb == 0 && !P.defer_home) {  // this owner received no rows: the router grad still needs doing
     const unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     bwd_router_grad(P, q, 0, n_rg, gw, stride);
     if (B.timeline != nullptr) {
@@ -222,49 +206,9 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
 // grad_x[t] = bf16(sum_k grad_buf[t,k]) for rank q's tokens; each warp takes the next token from the
 // rank's cursor (SMs that arrive late, e.g. comm SMs finishing background work, simply take fewer).
 __device__ void bwd_grad_x_reduce(const BwdParams& P, int q) {
-  const Params& B = P.base;
+  const HomeRank h = home_rank(P, q);
   const int lane = threadIdx.x & 31;
-  const int H = B.H, K = B.K;
-  const RankTable rt = B.ranks[q];
-  const BwdRank me = P.br[q];
-  unsigned* cursor = c_gradx_next(P, q);
-  while (true) {
-    int t = 0;
-    if (lane == 0) t = (int)atomicAdd(cursor, 1u);
-    t = __shfl_sync(0xffffffffu, t, 0);
-    if (t >= rt.T) break;
-    const int* idx = rt.idx + (long long)t * K;
-    const uint4* gb = reinterpret_cast<const uint4*>(me.grad_buf + (long long)t * K * H);
-    uint4* out = reinterpret_cast<uint4*>(me.grad_x + (long long)t * H);
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += 8) {
-        uint4 d[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int k = k0 + u;
-          d[u] = (k < K && idx[k] >= 0) ? gb[(long long)k * (H / 8) + v] : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {  // k ascending; skipped slots add +0 (exact)
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[u]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = __bfloat1622float2(p[i]);
-            acc[2 * i] += f.x;
-            acc[2 * i + 1] += f.y;
-          }
-        }
-      }
-      uint4 o;
-      uint32_t* po = reinterpret_cast<uint32_t*>(&o);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) po[i] = pack2(acc[2 * i], acc[2 * i + 1]);
-      out[v] = o;
-    }
-  }
+  for (long long t; (t = next_item(c_gradx_next(P, q), lane)) < h.T;) grad_x_token<8>(h, (int)t, P.base.K, P.base.H, lane);
 }
 
 }  // namespace bwd

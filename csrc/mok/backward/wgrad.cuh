@@ -13,8 +13,13 @@
 // An expert's rows do not end on a 64-row boundary and the maps span the whole buffer, so in an
 // expert's last K block the consumers zero the rows past its end (they belong to the next expert or
 // were never written) before the WGMMAs read the stage. No per-expert tensor maps, no host sync.
+//
+// Home-side reductions (home_parts > 0, after a dgrad launch with defer_home): the producer warpgroup's
+// warps 1-3, idle otherwise, compute the router-weight gradient and the grad_x top-k sum of those home
+// ranks (home_reduce.cuh) while the consumers run the wgrad tiles.
 #pragma once
 #include "bwd_common.cuh"
+#include "home_reduce.cuh"
 
 namespace mok {
 namespace bwd {
@@ -37,6 +42,10 @@ struct WgradParams {
   const WgradOut* out1;      // [np * L] dW1
   const WgradOut* out2;      // [np * L] dW2
   unsigned* ticket;          // zeroed per launch
+  int K;                     // top-k (home reductions)
+  int home_parts;            // home ranks whose router grad / grad_x this launch computes (0: none)
+  const HomeRank* home;      // [home_parts]
+  unsigned* home_cursor;     // [2 * home_parts]: next router-grad entry, next grad_x token (zeroed per launch)
 };
 
 enum WgradKind : int { kWgExit = 0, kWgW1 = 1, kWgW2 = 2 };
@@ -237,6 +246,21 @@ __device__ void wgrad_consumer(const WgradParams& P, const WSmem& sm, int wgc) {
 }
 
 // The dgrad launch before this one failed (its error record is set): its buffers hold no valid rows.
+// Warps 1-3 of the producer warpgroup: every home rank's router-grad entries, then its grad_x tokens,
+// each item to the next free warp of the grid (56 registers here: 4 grad_buf rows in flight per lane).
+__device__ void wgrad_home_work(const WgradParams& P) {
+  const int lane = threadIdx.x & 31;
+  for (int p = 0; p < P.home_parts; ++p) {
+    const HomeRank h = P.home[p];
+    const long long entries = (long long)h.T * P.K;
+    for (long long e; (e = next_item(&P.home_cursor[2 * p], lane)) < entries;) router_grad_entry(h, e, P.K, P.H, lane);
+  }
+  for (int p = 0; p < P.home_parts; ++p) {
+    const HomeRank h = P.home[p];
+    for (long long t; (t = next_item(&P.home_cursor[2 * p + 1], lane)) < h.T;) grad_x_token<4>(h, (int)t, P.K, P.H, lane);
+  }
+}
+
 // Every output becomes NaN (also main_grad), so a training step stops at Megatron's NaN check of the
 // gradients even when the error record is read lazily, after the step; the record names the cause.
 __device__ void wgrad_poison(const WgradParams& P) {
@@ -281,7 +305,10 @@ __global__ void __launch_bounds__(kThreads, 1) mok_wgrad_kernel(const __grid_con
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x < 32) wgrad_producer(P, sm, threadIdx.x);
+    if (threadIdx.x < 32)
+      wgrad_producer(P, sm, threadIdx.x);
+    else if (P.home_parts > 0)
+      wgrad_home_work(P);
   } else {
     setmaxnreg_inc<224>();
     wgrad_consumer(P, sm, wg - 1);
