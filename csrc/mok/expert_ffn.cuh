@@ -20,6 +20,7 @@
 // quantises the SwiGLU output per 1 x 128 block (one tile = one block per row) for fc2.
 #pragma once
 #include "common.cuh"
+#include "deferred_release.cuh"
 #include "fp8_kloop.cuh"
 #include "fp8_quant.cuh"
 #include "gemm_sm90.cuh"
@@ -153,13 +154,18 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
+  DeferredRelease rel;  // thread 128: the last fc2 tile's mb_done (deferred_release.cuh)
   while (true) {
+    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
     named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
-    if (ti.kind == 0) break;
+    if (ti.kind == 0) {
+      if (threadIdx.x == 128) rel.flush();
+      break;
+    }
     const unsigned long long t_tile = globaltimer_ns();
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
@@ -179,7 +185,9 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb0 = ws + (long long)(2 * ti.nt) * nk;
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
-      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph);
+      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&] {
+        if (threadIdx.x == 128) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+      });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -195,6 +203,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
+      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous fc2 tile's release, MMAs in flight
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -288,8 +297,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {
-        __threadfence();
-        red_release_gpu_add(ctr_mb_done(P, q, ti.mb), 1u);
+        rel.hold(ctr_mb_done(P, q, ti.mb));
         timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns());
       }
     }

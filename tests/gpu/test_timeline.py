@@ -54,8 +54,11 @@ def test_timeline_records_every_stage_per_sm():
     assert first_disp_end < max(e.end_us for e in ev if e.kind == "fc2")
 
 
+@pytest.mark.parametrize("wgrad", ["none", "kernel"])
 @pytest.mark.parametrize("saved", [False, True], ids=["recompute", "saved_h"])
-def test_backward_timeline_records_every_stage_per_sm(saved):
+def test_backward_timeline_records_every_stage_per_sm(saved, wgrad):
+    """Every stage of the backward kernel on the SMs of its role. With the wgrad kernel after it (the
+    default) the grad_x sum is that kernel's (home_reduce.cuh): no grad_x interval here then."""
     import megatron_mok.kernel as k
     from megatron_mok.kernel.backward import mok_backward_emulated
     from megatron_mok.kernel.timeline import Timeline
@@ -74,10 +77,12 @@ def test_backward_timeline_records_every_stage_per_sm(saved):
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
     hbuf = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
     _, comb, tpe = k.mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf)
-    ref = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf)
+    ref = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf, wgrad=wgrad)
     tl = Timeline(cap=2048)
-    got = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf, timeline=tl)
+    got = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf, wgrad=wgrad, timeline=tl)
     for a, b in zip(ref, got):  # recording does not change results (bitwise)
+        if a is None:  # wgrad "none": no weight gradients
+            continue
         for u, v in zip(a, b):
             assert torch.equal(u, v) if isinstance(u, torch.Tensor) else all(torch.equal(s, t) for s, t in zip(u, v))
     ev = tl.events()
@@ -87,8 +92,9 @@ def test_backward_timeline_records_every_stage_per_sm(saved):
     for e in ev:
         assert e.end_us >= e.start_us >= 0.0
         roles["comm" if e.cta % cpr < comm else "compute"].add(e.kind)
-    assert roles["comm"] == {"schedule", "pull", "background", "grad_x"}
-    assert roles["compute"] == {"schedule", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "grad_x"}
+    gx = {"grad_x"} if wgrad == "none" else set()
+    assert roles["comm"] == {"schedule", "pull", "background"} | gx
+    assert roles["compute"] == {"schedule", "dgrad1", "dgrad1_epilogue", "dgrad2", "push"} | gx
     # every minibatch pulled once per comm CTA; one stage-1 epilogue per stage-1 tile, one push per stage-2 tile
     nmb = [-(-int(t.sum()) // mb) for t in tpe]
     assert sum(1 for e in ev if e.kind == "pull") == comm * sum(nmb)
@@ -100,4 +106,5 @@ def test_backward_timeline_records_every_stage_per_sm(saved):
     assert n1 * ((H + 255) // 256) == n2 * ((F + (255 if saved else 127)) // (256 if saved else 128))
     # grad_x starts only after every stage-2 tile's main loop ended (it needs every rank's pushes; the push
     # interval's own end is read after its counter release, so it may trail a grad_x start)
-    assert min(e.start_us for e in ev if e.kind == "grad_x") >= max(e.end_us for e in ev if e.kind == "dgrad2")
+    if gx:
+        assert min(e.start_us for e in ev if e.kind == "grad_x") >= max(e.end_us for e in ev if e.kind == "dgrad2")

@@ -28,6 +28,7 @@
 // The SwiGLU backward, dH (bf16, for wgrad) and the dX push are as in bf16.
 #pragma once
 #include "bwd_common.cuh"
+#include "../deferred_release.cuh"
 #include "../fp8_kloop.cuh"
 #include "../fp8_quant.cuh"
 
@@ -206,9 +207,10 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
 }
 
 // Stage-2 epilogue: the tile's dX rows (bf16) pushed to their home ranks' grad_buf[t, k, :] (peer
-// stores in real EP), then +1 on mb_done (frees the ring slot once every tile of the minibatch is done).
+// stores in real EP), then +1 on mb_done (frees the ring slot once every tile of the minibatch is done),
+// held in rel (thread 128).
 __device__ __forceinline__ void push_dx_tile(const BwdParams& P, int q, const BTile& ti, const float* acc, int r_lo,
-                                             int lane) {
+                                             int lane, DeferredRelease& rel) {
   const int H = P.base.H;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -229,10 +231,7 @@ __device__ __forceinline__ void push_dx_tile(const BwdParams& P, int q, const BT
     }
   }
   named_bar_sync(1, 256);
-  if (threadIdx.x == 128) {
-    __threadfence();
-    red_release_gpu_add(c_mb_done(P, q, ti.mb), 1u);
-  }
+  if (threadIdx.x == 128) rel.hold(c_mb_done(P, q, ti.mb));
 }
 
 // Byte offset of element (row r, col c) of a [128 rows x 64 cols] bf16 TMA box with 128-byte swizzle:
@@ -251,13 +250,18 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
+  DeferredRelease rel;  // thread 128 only
   while (true) {
+    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
     mbar_wait(B, &sm.info_full[ii], iph, q, 3);
     const BTile ti = sm.info[ii];
     named_bar_sync(2 + wgc, 128);
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
-    if (ti.kind == 0) break;
+    if (ti.kind == 0) {
+      if (threadIdx.x == 128) rel.flush();
+      break;
+    }
     const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
     const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
@@ -283,6 +287,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
+      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -302,6 +307,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16_bmn(da + (uint64_t)(2 * kk), db + kMnDescK16Step * kk, acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
+      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -417,7 +423,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     } else {
       const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
-      push_dx_tile(P, q, ti, acc, r_lo, lane);
+      push_dx_tile(P, q, ti, acc, r_lo, lane, rel);
       if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
     }
   }
@@ -445,13 +451,18 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
+  DeferredRelease rel;  // thread 128 only
   while (true) {
+    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
     mbar_wait(B, &sm.info_full[ii], iph, q, 3);
     const BTile ti = sm.info[ii];
     named_bar_sync(2 + wgc, 128);
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
-    if (ti.kind == 0) break;
+    if (ti.kind == 0) {
+      if (threadIdx.x == 128) rel.flush();
+      break;
+    }
     const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
     const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
@@ -465,7 +476,9 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const int nb = (ti.kind == 1 ? F : H) / kScaleBlock;  // 128-row blocks of B (W2^T / W1^T)
       const float* sb0 = ws + (long long)(2 * ti.nt) * nk;
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
-      ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph);
+      ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&] {
+        if (threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
+      });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
@@ -481,6 +494,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16_bmn(da + (uint64_t)(2 * kk), db + kMnDescK16Step * kk, acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
+      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -613,7 +627,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
     } else {
       const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
       if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
-      push_dx_tile(P, q, ti, acc, r_lo, lane);
+      push_dx_tile(P, q, ti, acc, r_lo, lane, rel);
       if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
     }
   }
