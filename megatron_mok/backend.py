@@ -70,13 +70,21 @@ def kernel_backend(
     backward_comm_sms: int = 0,
     owner_capacity_factor: float = 0.0,
     dtype: str = "bf16",
+    backward_minibatch_tokens: int = 0,
 ):
     """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
     symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
     layer's forward and backward advance in the same order on all ranks."""
     from .kernel_backend import KernelBackend
 
-    key = (int(comm_sms), float(timeout_ms), int(backward_comm_sms), float(owner_capacity_factor), dtype)
+    key = (
+        int(comm_sms),
+        float(timeout_ms),
+        int(backward_comm_sms),
+        float(owner_capacity_factor),
+        dtype,
+        int(backward_minibatch_tokens),
+    )
     b = _KERNEL_BACKENDS.get(key)
     if b is None:
         b = _KERNEL_BACKENDS[key] = KernelBackend(
@@ -85,6 +93,7 @@ def kernel_backend(
             backward_comm_sms=backward_comm_sms,
             owner_capacity_factor=owner_capacity_factor,
             dtype=dtype,
+            backward_minibatch_tokens=backward_minibatch_tokens,
         )
     return b
 
@@ -98,6 +107,7 @@ def select_backend(
     timeout_ms: float = 10000.0,
     backward_comm_sms: int = 0,
     owner_capacity_factor: float = 0.0,
+    backward_minibatch_tokens: int = 0,
 ):
     want = requested_backend()
     if dtype != "bf16":
@@ -113,12 +123,16 @@ def select_backend(
                 f"kernel.dtype {dtype!r} runs only on the MoK kernel (Hopper sm_90a: bf16, fp8), which cannot run "
                 f"here: {reason}; set kernel.dtype: bf16 in the MoK config"
             )
-        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, dtype)
+        return kernel_backend(
+            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, dtype, backward_minibatch_tokens
+        )
     if want == "reference":
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
-        return kernel_backend(comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor)
+        return kernel_backend(
+            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, "bf16", backward_minibatch_tokens
+        )
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)

@@ -72,6 +72,11 @@ class KernelSpec:
     ring_slots: int = 4
     #: Rows of the per-expert layout that go through the FFN together (one ring slot).
     minibatch_tokens: int = 0
+    #: Minibatch of the backward kernel (0: minibatch_tokens). The backward keeps every routed row in
+    #: its layout-order buffers (no ring), so this is only its scheduling granularity: larger ones cut
+    #: the per-minibatch dependency waits (Kimi-K2 slice on the H200: 6144 ran 1.22x Megatron's
+    #: backward, 2560 / 4096 1.18-1.20x; scripts/NOTES-backward.md).
+    backward_minibatch_tokens: int = 0
     #: GEMM tile used to derive the minibatch from the two-waves rule.
     gemm_tile_m: int = 128
     gemm_tile_n: int = 256
@@ -94,6 +99,11 @@ class KernelSpec:
     def bwd_comm_sms(self) -> int:
         """backward_comm_sms, or its documented default when 0."""
         return self.backward_comm_sms or min(2 * self.comm_sms, self.num_sms - 1)
+
+    @property
+    def bwd_minibatch_tokens(self) -> int:
+        """backward_minibatch_tokens, or the forward's minibatch when 0."""
+        return self.backward_minibatch_tokens or self.minibatch_tokens
 
 
 @dataclass(frozen=True)
@@ -234,6 +244,12 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
         raise bad(
             "backward_comm_sms",
             f"must be 0 (2 x comm_sms) or in [1, num_sms - 1 = {spec.num_sms - 1}], got {spec.backward_comm_sms}",
+        )
+    bmb = spec.backward_minibatch_tokens
+    if bmb and (bmb < 0 or bmb % spec.minibatch_align):
+        raise bad(
+            "backward_minibatch_tokens",
+            f"must be 0 (minibatch_tokens) or a positive multiple of minibatch_align={spec.minibatch_align}, got {bmb}",
         )
     if spec.ring_slots < 2:
         raise bad(

@@ -49,6 +49,7 @@ class KernelBackend:
         backward_comm_sms: int = 0,
         owner_capacity_factor: float = 0.0,
         dtype: str = "bf16",
+        backward_minibatch_tokens: int = 0,
     ) -> None:
         if dtype not in ("bf16", "fp8"):
             raise ValueError(f"KernelBackend dtype must be 'bf16' or 'fp8', got {dtype!r}")
@@ -56,6 +57,8 @@ class KernelBackend:
         self._fp8_cache = None  # kernel.fp8_weights.Fp8WeightCache (dtype fp8)
         self.comm_sms = comm_sms
         self.backward_comm_sms = backward_comm_sms or comm_sms  # the config resolves its default
+        # the backward kernel's minibatch (config kernel.backward_minibatch_tokens); 0: the forward's ring
+        self.backward_minibatch_tokens = backward_minibatch_tokens
         self.timeout_ms = timeout_ms
         self.owner_capacity_factor = owner_capacity_factor  # config kernel.owner_capacity_factor (EP > 1)
         # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
@@ -169,7 +172,7 @@ class KernelBackend:
             [w.detach() for w in w2],
             comm_sms=self.backward_comm_sms,
             ring_slots=plan.ring.ring_slots,
-            minibatch_tokens=plan.ring.minibatch_tokens,
+            minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
             wgrad=self.wgrad,
             saved_h=state.get("kernel_saved_h"),
@@ -273,7 +276,7 @@ class KernelBackend:
                 [[w.detach() for w in w2]],
                 comm_sms=self.backward_comm_sms,
                 ring_slots=plan.ring.ring_slots,
-                minibatch_tokens=plan.ring.minibatch_tokens,
+                minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,
                 timeout_ms=self.timeout_ms,
                 wgrad=self.wgrad,
                 saved_h=state.get("kernel_saved_h"),

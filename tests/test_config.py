@@ -65,6 +65,8 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
         ("kernel", "comm_sms", 0, "comm_sms"),
         ("kernel", "backward_comm_sms", 132, "0 (2 x comm_sms)"),
         ("kernel", "backward_comm_sms", -1, "0 (2 x comm_sms)"),
+        ("kernel", "backward_minibatch_tokens", 100, "multiple of minibatch_align"),
+        ("kernel", "backward_minibatch_tokens", -64, "0 (minibatch_tokens)"),
         ("kernel", "ring_slots", 1, ">= 2 slots"),
         ("kernel", "dtype", "fp16", "not one of"),
         ("kernel", "dtype", "mxfp8", "sm_100a"),
@@ -191,6 +193,16 @@ def test_backward_comm_sms_default_and_explicit():
     assert parse_config(_with("kernel", backward_comm_sms=12)).kernel.bwd_comm_sms == 12
     assert parse_config(_with("kernel", comm_sms=100)).kernel.bwd_comm_sms == 131  # capped: one SM computes
     assert load_config("kimi-k2").kernel.bwd_comm_sms == 16
+
+
+def test_backward_minibatch_default_and_explicit():
+    from megatron_mok.backend import kernel_backend
+
+    assert parse_config(GOOD).kernel.bwd_minibatch_tokens == parse_config(GOOD).kernel.minibatch_tokens
+    assert parse_config(_with("kernel", backward_minibatch_tokens=6144)).kernel.bwd_minibatch_tokens == 6144
+    assert load_config("kimi-k2").kernel.bwd_minibatch_tokens == 6144
+    b = kernel_backend(8, 1000.0, 16, 0.0, "bf16", 6144)
+    assert b.backward_minibatch_tokens == 6144 and kernel_backend(8, 1000.0, 16, 0.0, "bf16", 0) is not b
 
 
 def test_owner_capacity_factor_sizes_the_owner_row_buffers():

@@ -269,3 +269,38 @@ def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
     with torch.no_grad():
         p8[0].mul_(0.5)  # an optimizer step
     assert backend8._fp8_cache.get(p8[0])[0] is not q_before, "updated weight served from the stale cache"
+
+
+@pytest.mark.parametrize("save_fc1_output", [True, False])
+def test_backward_minibatch_does_not_change_gradients(save_fc1_output):
+    """kernel.backward_minibatch_tokens only re-cuts the backward kernel's schedule: every row's dgrad,
+    the k-ascending grad_x sum and the wgrad do not depend on it, so the gradients are bit-identical to
+    the forward-minibatch backward's."""
+    _kernel_or_skip()
+
+    from megatron_mok.kernel_backend import KernelBackend
+    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.transport import run_emulated
+
+    L, x, idx, w, w1, w2, go = _skewed_layer_problem(13)
+    ring = RingSpec(minibatch_tokens=256, ring_slots=2)
+
+    def run(bmb):
+        backend = KernelBackend(comm_sms=2, backward_comm_sms=4, timeout_ms=5000.0, backward_minibatch_tokens=bmb)
+
+        def body(tp):
+            xx = x.clone().requires_grad_()
+            ww = w.clone().requires_grad_()
+            ps = [t.clone().requires_grad_() for t in (*w1, *w2)]
+            plan = MokPlan(tp, L, ring, save_fc1_output=save_fc1_output)
+            out = mok_moe(xx, idx, ww, ps[:L], ps[L:], plan, backend)
+            out.backward(go)
+            return [xx.grad, ww.grad] + [p.grad for p in ps]
+
+        return run_emulated(1, body)[0]
+
+    base = run(0)
+    for bmb in (64, 1024):
+        got = run(bmb)
+        for i, (a, b) in enumerate(zip(got, base)):
+            assert torch.equal(a, b), f"backward minibatch {bmb}: gradient {i} differs from minibatch 256's"
