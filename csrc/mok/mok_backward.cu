@@ -611,8 +611,9 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
 
   mok::bwd::HomeRank* hr = reinterpret_cast<mok::bwd::HomeRank*>(host + ws.home);
   for (int p = 0; p < a->home_parts; ++p) {
-    if (a->h_T[p] < 0 || a->h_T[p] >= (1LL << 31))
-      return write_err(errbuf, errlen, "wgrad: home rank %d: T=%lld out of range", p, a->h_T[p]);
+    // the home cursors are 32-bit and count (token, k) entries
+    if (a->h_T[p] < 0 || a->h_T[p] * a->K >= (1LL << 31))
+      return write_err(errbuf, errlen, "wgrad: home rank %d: T=%lld x K=%d entries out of range", p, a->h_T[p], a->K);
     if (a->h_T[p] > 0 && (!a->h_grad_out[p] || !a->h_combine[p] || !a->h_grad_buf[p] || !a->h_idx[p] ||
                           !a->h_grad_w[p] || !a->h_grad_x[p]))
       return write_err(errbuf, errlen, "wgrad: home rank %d: a reduction buffer pointer is null", p);

@@ -300,7 +300,13 @@ def test_backward_stall_times_out_and_recovers(bk):
     from megatron_mok import kernel
 
     kernel.check_pending_errors(wait=True)
-    bk.mok_backward_emulated(*inputs, **stall, check="lazy")
+    gx, gw, g1, _ = bk.mok_backward_emulated(*inputs, **stall, check="lazy")
+    torch.cuda.synchronize()
+    # the failed launch's outputs are NaN (the wgrad kernel poisons them, its deferred router grad and
+    # grad_x sum too), so a training step stops at the gradient NaN check even before the record is read
+    for r in range(R):
+        assert torch.isnan(gx[r].float()).all() and torch.isnan(gw[r]).all(), f"rank {r}: grad_x / grad_w not poisoned"
+        assert torch.isnan(g1[r][0]).all(), f"rank {r}: weight gradient not poisoned"
     with pytest.raises(bk.MokKernelError, match=r"MoK backward kernel timed out: rank 1 slot 1"):
         kernel.check_pending_errors(wait=True)
     kernel.check_pending_errors(wait=True)  # reported once

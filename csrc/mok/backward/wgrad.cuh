@@ -245,7 +245,6 @@ __device__ void wgrad_consumer(const WgradParams& P, const WSmem& sm, int wgc) {
   }
 }
 
-// The dgrad launch before this one failed (its error record is set): its buffers hold no valid rows.
 // Warps 1-3 of the producer warpgroup: every home rank's router-grad entries, then its grad_x tokens,
 // each item to the next free warp of the grid (56 registers here: 4 grad_buf rows in flight per lane).
 __device__ void wgrad_home_work(const WgradParams& P) {
@@ -261,10 +260,20 @@ __device__ void wgrad_home_work(const WgradParams& P) {
   }
 }
 
-// Every output becomes NaN (also main_grad), so a training step stops at Megatron's NaN check of the
-// gradients even when the error record is read lazily, after the step; the record names the cause.
+// The dgrad launch before this one failed (its error record is set): its buffers hold no valid rows.
+// Every output becomes NaN (also main_grad, and the deferred home reductions' grad_w / grad_x), so a
+// training step stops at Megatron's NaN check of the gradients even when the error record is read
+// lazily, after the step; the record names the cause.
 __device__ void wgrad_poison(const WgradParams& P) {
   const float nan = __int_as_float(0x7fc00000);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (int p = 0; p < P.home_parts; ++p) {
+    const HomeRank h = P.home[p];
+    for (long long i = tid; i < (long long)h.T * P.K; i += stride) h.grad_w[i] = nan;
+    const __nv_bfloat16 bnan = __float2bfloat16(nan);
+    for (long long i = tid; i < (long long)h.T * P.H; i += stride) h.grad_x[i] = bnan;
+  }
   const long long n1 = 2LL * P.F * P.H, n2 = (long long)P.H * P.F;
   const long long per_expert = n1 + n2;
   const long long total = per_expert * P.np * P.L;
