@@ -423,3 +423,56 @@ def test_symmetric_memory_multi_gpu(kernel, tmp_path):
     for r in range(world):
         ok, err = (tmp_path / f"rank{r}").read_text().split()
         assert ok == "1", f"rank {r}: rel err {err}"
+
+
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("variant", ["bf16_recompute", "bf16_saved_h", "fp8_saved_h"])
+def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, variant):
+    """Per-rank backward with the wgrad kernel inside the call (the layer's default): each rank's dgrad
+    leaves its router grad and grad_x sum to its wgrad launch (defer_home), after it met every peer's
+    pushes; FP8 dgrad per rank with each rank's own transposed e4m3 weights. Same bits as emulated EP."""
+    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated, mok_backward_rank
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+
+    fp8, saved = variant.startswith("fp8"), variant.endswith("saved_h")
+    L, H, F, K, T = 3, 512, 384, 4, 400
+    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
+    bufs = PeerBuffers.on_one_gpu(R, T, H, K)
+    streams = [torch.cuda.Stream() for _ in range(R)]
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, "minus1", seed=40 + R)
+    go = [torch.randn((T, H), device=dev).bfloat16() for _ in range(R)]
+    q8 = quantize_expert_weights(w1, w2, transposed=True) if fp8 else None
+    per_rank = [quantize_expert_weights([w1[r]], [w2[r]], transposed=True) for r in range(R)] if fp8 else [None] * R
+
+    def hbufs():
+        return [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
+
+    h_rank, h_emu = hbufs(), hbufs()
+    fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=h_rank, fp8=per_rank if fp8 else None, **cfg)
+    for r in range(R):
+        check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+    torch.cuda.synchronize()
+    comb = [fwd[r][1].clone() for r in range(R)]
+    kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, fp8=q8, **cfg)  # the emulated launch's h
+    res = {}
+    for r in range(R):
+        streams[r].wait_stream(torch.cuda.current_stream())
+        res[r] = mok_backward_rank(
+            bufs[r], go[r], x[r], idx[r], wts[r], comb[r], w1[r], w2[r],
+            saved_h=None if h_rank is None else h_rank[r], ctas=sms // R, stream=streams[r], check=False,
+            wgrad="kernel", fp8=per_rank[r], **cfg,
+        )  # fmt: skip
+    for r in range(R):
+        check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+    torch.cuda.synchronize()
+    ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, fp8=q8, **cfg)
+    for r in range(R):
+        gx, gw, g1, g2 = res[r]
+        assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
+        assert torch.equal(gw, ref[1][r]), f"rank {r} grad_topk_weight differs"
+        for e in range(L):
+            assert torch.equal(g1[e], ref[2][r][e]) and torch.equal(g2[e], ref[3][r][e]), (r, e)
+        assert torch.isfinite(gx.float()).all()
