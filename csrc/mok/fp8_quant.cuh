@@ -40,10 +40,18 @@ __device__ __forceinline__ float inv_scale(float scale) {
   return fmaf(r, fmaf(-scale, r, 1.0f), r);
 }
 
-// 8 consecutive values f of a row whose 1 x 128 block spans 16 lanes (lanes 0-15 or 16-31 hold one
+// 8 consecutive bf16 values v of a row whose 1 x 128 block spans 16 lanes (lanes 0-15 or 16-31 hold one
 // block's 16 x 8 values): the block's amax by a 16-lane butterfly (every lane of the warp must call, pass
 // zeros past the row's end), the block scale into *scale and the 8 e4m3 values as the result.
-__device__ __forceinline__ uint2 quantize8_block16(const float* f, float* scale) {
+__device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* scale) {
+  float f[8];
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
@@ -77,16 +85,8 @@ __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, flo
     for (int u = 0; u < U; ++u) {
       if (base + u * 32 >= nv) break;  // warp-uniform
       const int v = base + u * 32 + lane;
-      float f[8];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[u]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 t = __bfloat1622float2(p[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-      }
       float scale;
-      const uint2 q = quantize8_block16(f, &scale);
+      const uint2 q = quantize_bf16x8_block16(buf[u], &scale);
       if (v < nv) {
         d[v] = q;
         if ((lane & 15) == 0) dst_scale[v / 16] = scale;

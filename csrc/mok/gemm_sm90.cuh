@@ -94,13 +94,7 @@ __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(d[i]);
 }
-// One 64-register half (d = acc or acc + 64). While the other half's WGMMA group is in flight only this
-// half may be fenced: a fence "reads" its registers, and touching an in-flight accumulator makes ptxas
-// serialise every wgmma of the kernel (warning C7514).
-__device__ __forceinline__ void fence_acc_half(float* d) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
-}
+
 
 // TMA 2-D load: box at (c0 = inner/K coordinate, c1 = row coordinate) into smem, completing on bar.
 __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* bar, void* smem, int c0, int c1) {

@@ -64,16 +64,8 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
         gd4[v] = o;
       }
       if constexpr (kFp8) {  // quantise the bf16 gy (what wgrad reads), all lanes (shuffles)
-        float f[8];
-        const __nv_bfloat162* pb = reinterpret_cast<const __nv_bfloat162*>(&o);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 t = __bfloat1622float2(pb[i]);
-          f[2 * i] = t.x;
-          f[2 * i + 1] = t.y;
-        }
         float scale;
-        const uint2 qv = quantize8_block16(f, &scale);
+        const uint2 qv = quantize_bf16x8_block16(o, &scale);
         if (v < nv) {
           reinterpret_cast<uint2*>(gq)[v] = qv;
           if ((lane & 15) == 0) gqs[v / 16] = scale;
