@@ -16,3 +16,15 @@ def kernel():
     if not k.is_available():
         pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
     return k
+
+
+@pytest.fixture(scope="module")
+def bk():
+    """megatron_mok.kernel.backward, or a skip where no CUDA device or no built backward library is at hand."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from megatron_mok.kernel import backward
+
+    if not backward.is_available():
+        pytest.skip(f"MoK backward kernel unavailable: {backward.unavailable_reason()}")
+    return backward

@@ -60,6 +60,16 @@ def make_routing(T, K, E, mode, device, gen):
     return idx.to(torch.int32).contiguous(), w.float().contiguous()
 
 
+def make_routings(Ts, K, E, mode, device, gen):
+    """make_routing for each rank's token count in Ts (drawn in rank order): (idx list, weight list)."""
+    idx, wts = [], []
+    for T in Ts:
+        i, w = make_routing(T, K, E, mode, device, gen)
+        idx.append(i)
+        wts.append(w)
+    return idx, wts
+
+
 @contextlib.contextmanager
 def _no_tf32():
     """fp32 matmuls in full precision on the GPU (restores the caller's setting)."""

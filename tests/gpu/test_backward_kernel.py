@@ -54,17 +54,6 @@ def test_backward_kernel_compiles_for_sm90a(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def bk():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from megatron_mok.kernel import backward
-
-    if not backward.is_available():
-        pytest.skip(f"MoK backward kernel unavailable: {backward.unavailable_reason()}")
-    return backward
-
-
 def _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos):
     from megatron_mok.reference import MokPlan, mok_backward, mok_forward
     from megatron_mok.transport import run_emulated

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import ground_truth, make_experts, make_routing, rel_err  # noqa: E402
+from mok_truth import ground_truth, make_experts, make_routing, make_routings, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -43,11 +43,7 @@ def _run_case(
     gen.manual_seed(seed)
     E = R * L
     x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
-    idx, wts = [], []
-    for T in Ts:
-        i, w = make_routing(T, K, E, mode, dev, gen)
-        idx.append(i)
-        wts.append(w)
+    idx, wts = make_routings(Ts, K, E, mode, dev, gen)
     w1, w2 = make_experts(R, L, H, F, dev, gen, strided=strided)
     out, comb, tpe = kernel.mok_forward_emulated(
         x, idx, wts, w1, w2, comm_sms=comm_sms, ring_slots=ring_slots, minibatch_tokens=minibatch, timeout_ms=timeout_ms

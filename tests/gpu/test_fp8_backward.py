@@ -24,19 +24,11 @@ from mok_truth import (  # noqa: E402
     ground_truth_fp8_backward,
     make_experts,
     make_routing,
+    make_routings,
     rel_err,
 )
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def bk(kernel):
-    from megatron_mok.kernel import backward
-
-    if not backward.is_available():
-        pytest.skip(f"MoK backward kernel unavailable: {backward.unavailable_reason()}")
-    return backward
 
 
 def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True):
@@ -46,11 +38,7 @@ def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True)
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
-    idx, wts = [], []
-    for T in Ts:
-        i, w = make_routing(T, K, R * L, mode, dev, gen)
-        idx.append(i)
-        wts.append(w)
+    idx, wts = make_routings(Ts, K, R * L, mode, dev, gen)
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
     q8 = quantize_expert_weights(w1, w2, transposed=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import exact_fp32, ground_truth, ground_truth_fp8, make_experts, make_routing, rel_err  # noqa: E402
+from mok_truth import exact_fp32, ground_truth, ground_truth_fp8, make_experts, make_routings, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,11 +32,7 @@ def _inputs(R, L, H, F, K, Ts, mode, seed):
         ).bfloat16()
         for T in Ts
     ]
-    idx, wts = [], []
-    for T in Ts:
-        i, w = make_routing(T, K, R * L, mode, dev, gen)
-        idx.append(i)
-        wts.append(w)
+    idx, wts = make_routings(Ts, K, R * L, mode, dev, gen)
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     return x, idx, wts, w1, w2
 

@@ -205,6 +205,18 @@ def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, save
     return out
 
 
+def _assert_same_backward(res, ref, R, L):
+    """Per-rank backward results res[r] = (grad_x, grad_w, dW1 list, dW2 list) equal the emulated
+    backward's ref bit for bit."""
+    for r in range(R):
+        gx, gw, g1, g2 = res[r]
+        assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
+        assert torch.equal(gw, ref[1][r]), f"rank {r} grad_topk_weight differs"
+        for e in range(L):
+            assert torch.equal(g1[e], ref[2][r][e]) and torch.equal(g2[e], ref[3][r][e]), (r, e)
+        assert torch.isfinite(gx.float()).all()
+
+
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1"])
 @pytest.mark.parametrize("saved", [False, True], ids=["recompute", "saved_h"])
@@ -239,13 +251,7 @@ def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
             check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
         torch.cuda.synchronize()
         ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, **cfg)
-        for r in range(R):
-            gx, gw, g1, g2 = res[r]
-            assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
-            assert torch.equal(gw, ref[1][r]), f"rank {r} grad_topk_weight differs"
-            for e in range(L):
-                assert torch.equal(g1[e], ref[2][r][e]) and torch.equal(g2[e], ref[3][r][e]), (r, e)
-            assert torch.isfinite(gx.float()).all()
+        _assert_same_backward(res, ref, R, L)
 
 
 def test_backward_missing_rank_times_out_naming_it(kernel):
@@ -469,10 +475,4 @@ def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, vari
         check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
     torch.cuda.synchronize()
     ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, fp8=q8, **cfg)
-    for r in range(R):
-        gx, gw, g1, g2 = res[r]
-        assert torch.equal(gx, ref[0][r]), f"rank {r} grad_x differs from emulated EP"
-        assert torch.equal(gw, ref[1][r]), f"rank {r} grad_topk_weight differs"
-        for e in range(L):
-            assert torch.equal(g1[e], ref[2][r][e]) and torch.equal(g2[e], ref[3][r][e]), (r, e)
-        assert torch.isfinite(gx.float()).all()
+    _assert_same_backward(res, ref, R, L)

@@ -12,17 +12,6 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def bk():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from megatron_mok.kernel import backward
-
-    if not backward.is_available():
-        pytest.skip(f"MoK backward kernel unavailable: {backward.unavailable_reason()}")
-    return backward
-
-
 def _buffers(counts, H, F, cap_extra, seed):
     """One partition: tpe and layout-order buffers; rows >= sum(counts) are NaN."""
     g = torch.Generator().manual_seed(seed)
