@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 namespace mok_host {
 
@@ -83,33 +86,87 @@ inline bool encode_2d_u8(CUtensorMap* m, const void* ptr, unsigned long long inn
 struct StagingBuf {
   uint8_t* host = nullptr;
   size_t cap = 0;
+  int device = -1;
+  bool busy = false;  // acquired, its copy not yet enqueued (guarded by staging_mutex())
   cudaEvent_t done = nullptr;
-  bool used = false;
 };
 
+inline std::mutex& staging_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
 // Pinned host staging of a launch's tensor maps + rank tables (one truly asynchronous H2D copy; a
-// pageable source may make the driver wait for the stream). Round-robin over 4 buffers, so launches
-// on several streams (per-rank launches sharing a GPU) do not wait for each other; before reuse, wait
-// for that buffer's previous copy. Record `done` on the stream right after the copy.
+// pageable source may make the driver wait for the stream). Record `done` on the stream right after
+// the copy. A buffer is reused only once its last copy has completed; otherwise a new one joins the
+// pool. Never waiting matters: per-rank launches sharing a GPU (dgrad + wgrad of R ranks on R streams)
+// enqueue copies behind kernels that only finish once a later rank has launched, so a host wait on an
+// earlier copy would deadlock them until the kernels' own timeout. Only past kMaxStaging buffers in
+// flight does it wait for the oldest one.
 inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
-  static StagingBuf bufs[4];
-  static int next = 0;
-  StagingBuf& b = bufs[next];
-  next = (next + 1) % 4;
-  if (b.used && cudaEventSynchronize(b.done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
-  if (b.cap < bytes) {
-    if (b.host) cudaFreeHost(b.host);
-    b.host = nullptr;
-    b.cap = 0;
-    if (cudaMallocHost(reinterpret_cast<void**>(&b.host), bytes) != cudaSuccess) return "cudaMallocHost failed";
-    b.cap = bytes;
+  constexpr int kMaxStaging = 256;
+  static std::vector<std::unique_ptr<StagingBuf>> pool;
+  static size_t oldest = 0;  // round-robin victim when the pool is full
+  std::lock_guard<std::mutex> lock(staging_mutex());
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return "cudaGetDevice failed";
+  auto idle = [](StagingBuf& b) {
+    if (b.busy) return false;
+    const cudaError_t q = cudaEventQuery(b.done);
+    if (q == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: clear it like torch's Event::query
+    return q == cudaSuccess;
+  };
+  StagingBuf* pick = nullptr;
+  for (auto& b : pool)  // an idle buffer of this device, large enough if one is
+    if (b->device == dev && idle(*b) && (!pick || (pick->cap < bytes && b->cap >= bytes))) pick = b.get();
+  if (!pick || pick->cap < bytes) {
+    if (pool.size() < (size_t)kMaxStaging) {
+      std::unique_ptr<StagingBuf> b(new StagingBuf);
+      b->device = dev;
+      if (cudaEventCreateWithFlags(&b->done, cudaEventDisableTiming) != cudaSuccess) return "cudaEventCreate failed";
+      pick = b.get();
+      pool.push_back(std::move(b));
+    } else if (!pick) {  // kMaxStaging copies in flight on this process: wait for the oldest of this device
+      for (size_t i = 0; i < pool.size() && !pick; ++i) {
+        StagingBuf* b = pool[oldest].get();
+        oldest = (oldest + 1) % pool.size();
+        if (b->device == dev && !b->busy) pick = b;
+      }
+      if (!pick) return "no staging buffer free for this device";
+      if (cudaEventSynchronize(pick->done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
+    }
   }
-  if (!b.done && cudaEventCreateWithFlags(&b.done, cudaEventDisableTiming) != cudaSuccess)
-    return "cudaEventCreate failed";
-  b.used = true;
-  *out = &b;
+  if (pick->cap < bytes) {
+    if (pick->host) cudaFreeHost(pick->host);
+    pick->host = nullptr;
+    pick->cap = 0;
+    const size_t cap = bytes < (64u << 10) ? (64u << 10) : bytes;  // tables are KBs: one size serves most
+    if (cudaMallocHost(reinterpret_cast<void**>(&pick->host), cap) != cudaSuccess) return "cudaMallocHost failed";
+    pick->cap = cap;
+  }
+  pick->busy = true;
+  *out = pick;
   return nullptr;
 }
+
+// One launch's hold on a staging buffer (the launchers' `stg`): acquire, fill, cudaMemcpyAsync, record
+// `done`; on every return path the buffer goes back to the pool (reused once `done` has completed).
+class StagingLease {
+ public:
+  StagingLease() = default;
+  StagingLease(const StagingLease&) = delete;
+  StagingLease& operator=(const StagingLease&) = delete;
+  ~StagingLease() {
+    if (!buf_) return;
+    std::lock_guard<std::mutex> lock(staging_mutex());
+    buf_->busy = false;
+  }
+  const char* acquire(size_t bytes) { return acquire_staging(bytes, &buf_); }
+  StagingBuf* operator->() const { return buf_; }
+
+ private:
+  StagingBuf* buf_ = nullptr;
+};
 
 }  // namespace mok_host
 

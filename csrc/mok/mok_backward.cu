@@ -300,8 +300,8 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   const size_t hbytes = ws.layout;  // tensor maps + rank tables
-  StagingBuf* stg = nullptr;
-  if (const char* msg = acquire_staging(hbytes, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  StagingLease stg;
+  if (const char* msg = stg.acquire(hbytes)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, hbytes);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
@@ -575,8 +575,8 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "wgrad workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
   const int np = a->np, L = a->L, H = a->H, F = a->F;
-  StagingBuf* stg = nullptr;
-  if (const char* msg = acquire_staging(ws.ticket, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.ticket)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.ticket);
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);

@@ -303,8 +303,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   // Host staging of tensor maps + rank table (one H2D copy) in a small ring of pinned buffers, so the
   // copy is truly asynchronous (a pageable source may make the driver wait for the stream).
-  StagingBuf* stg = nullptr;
-  if (const char* msg = acquire_staging(ws.ring, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.ring)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
@@ -546,8 +546,8 @@ int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf,
     return write_err(errbuf, errlen, "fp8 gemm workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
   if (ws.num_mtiles == 0) return 0;  // no rows: nothing to write
   if (!a->xq || !a->xs || !a->out) return write_err(errbuf, errlen, "fp8 gemm: x / scales / out pointer is null");
-  StagingBuf* stg = nullptr;
-  if (const char* msg = acquire_staging(ws.total, &stg)) return write_err(errbuf, errlen, "%s", msg);
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.total)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.total);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
