@@ -85,6 +85,11 @@ class KernelSpec:
     timeout_ms: float = 10000.0
     #: Keep fc1 output for backward (True) or recompute it from the saved dispatched rows.
     save_fc1_output: bool = True
+    #: bf16 kernel: the forward keeps the expert input rows (layout order) and the SwiGLU output for the
+    #: backward -- the rows Megatron's grouped GEMM keeps for its wgrad too -- so the backward kernel
+    #: pulls only the output gradient instead of x again (and, with save_fc1_output, does not recompute
+    #: act from h). False: a small ring in the forward, x pulled a second time in the backward.
+    save_expert_input: bool = True
     #: EP > 1: rows an owner rank's row buffers hold (saved fc1 output, backward x / dY / dH / act rows),
     #: as a multiple of its fair share T * top-k. 0 = the dropless worst case, EP * T * top-k (every
     #: routed row of every rank on one owner). A routing that exceeds it is a clear kernel error, never

@@ -100,6 +100,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             num_experts=self.num_experts,
             ring=RingSpec(k.minibatch_tokens, k.ring_slots),
             save_fc1_output=k.save_fc1_output,
+            save_expert_input=k.save_expert_input,
             fuse_wgrad_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
         )
 

@@ -103,6 +103,15 @@ class KernelBackend:
             return None
         return self._fp8_weights(w1, w2, transposed=True)
 
+    def _kept_rows(self, plan: MokPlan, parts: int, rows: int, H: int, F: int, device):
+        """The forward's kept expert input / SwiGLU rows (config kernel.save_expert_input), bf16 kernel
+        only; like saved h they live as long as the autograd state."""
+        from .kernel import KeptRows
+
+        if not plan.save_expert_input or self.dtype != "bf16":
+            return None
+        return KeptRows.allocate(parts, rows, H, F, plan.ring.minibatch_tokens, device)
+
     def owner_rows(self, world: int, T: int, K: int) -> int:
         """Rows of an owner rank's row buffers at EP = world: every routed row (dropless worst case) or
         ceil(owner_capacity_factor * T * K) when that is smaller."""
@@ -125,6 +134,7 @@ class KernelBackend:
         saved_h = (
             torch.empty((owner_rows, 2 * F), dtype=torch.bfloat16, device=x.device) if plan.save_fc1_output else None
         )
+        keep = self._kept_rows(plan, 1, owner_rows, H, F, x.device)
         out, combine, _tpe = mok_forward_rank(
             bufs,
             x.detach().contiguous(),
@@ -139,10 +149,12 @@ class KernelBackend:
             check=self.check,
             saved_h=saved_h,
             fp8=self._fp8_weights(w1, w2),
+            keep=keep,
         )
         state = {
             "x": x.detach(),
             "topk_idx": topk_idx,
+            "kernel_kept": keep,
             "all_w": None,  # gathered by the reference fallback
             "combine_buf": combine.clone(),  # the symmetric buffer is reused by the next layer call
             "saved_h": None,  # the reference fallback recomputes
@@ -181,6 +193,7 @@ class KernelBackend:
             main_grad_w2=mg2,
             check=self.check,
             fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
+            kept=state.get("kernel_kept"),
         )
         self.last_backward = "kernel (EP > 1, per-rank launch" + (", fp8 dgrad)" if f8 is not None else ")")
         return gx, gw, gw1, gw2
@@ -221,6 +234,7 @@ class KernelBackend:
             if plan.save_fc1_output
             else None
         )
+        keep = self._kept_rows(plan, 1, T * K, H, F, x.device)
         out, combine, _tpe = kernel.mok_forward_emulated(
             [x.detach().contiguous()],
             [topk_idx.to(torch.int32).contiguous()],
@@ -234,6 +248,7 @@ class KernelBackend:
             check=self.check,
             saved_h=saved_h,
             fp8=self._fp8_weights(w1, w2),
+            keep=keep,
         )
         # Nothing here reads device values on the host (errors are checked lazily): the layout the
         # interim backward needs is
@@ -245,6 +260,7 @@ class KernelBackend:
             "combine_buf": combine[0].view(T, K, H),
             "saved_h": None,  # the reference fallback recomputes
             "kernel_saved_h": saved_h,  # bf16 h kept by the forward kernel, or None: the kernel recomputes
+            "kernel_kept": keep,  # expert input / SwiGLU rows kept by the forward kernel (bf16), or None
             "shape": (T, K, H),
             "dtype": x.dtype,
         }
@@ -284,6 +300,7 @@ class KernelBackend:
                 main_grad_w2=None if mg2 is None else [list(mg2)],
                 check=self.check,
                 fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
+                kept=state.get("kernel_kept"),
             )
             self.last_backward = "kernel (fp8 dgrad)" if f8 is not None else "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]

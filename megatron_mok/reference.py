@@ -94,6 +94,9 @@ class MokPlan:
     num_experts: int
     ring: RingSpec
     save_fc1_output: bool = True
+    #: kernel backend (bf16): keep the expert input / SwiGLU rows for the backward (config
+    #: kernel.save_expert_input); the reference keeps its dispatched rows anyway
+    save_expert_input: bool = True
     #: Megatron's gradient_accumulation_fusion: add expert wgrads straight into ``param.main_grad``
     fuse_wgrad_into_main_grad: bool = False
     # filled by forward, for tests and introspection

@@ -91,6 +91,12 @@ def main():
     ap.add_argument("--no-mcore", action="store_true")
     ap.add_argument("--saved-only", action="store_true", help="skip the recompute variants of MoK (quick run)")
     ap.add_argument(
+        "--kept-comm-sms",
+        type=lambda v: [int(c) for c in v.split(",") if c],
+        default=[8, 12, 16],
+        help="backward comm SMs to try with the forward's kept x / act rows (kernel.save_expert_input); '' skips",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="print the GPU time of every kernel of one saved-h backward (torch.profiler)",
@@ -284,6 +290,59 @@ def main():
         except Exception as exc:
             print(f"MoK saved-h: FAILED {type(exc).__name__}: {exc}", flush=True)
             traceback.print_exc(limit=4)
+        # saved h + kept rows (the layer's default, kernel.save_expert_input): the forward keeps the
+        # layout-order x and act rows, the backward pulls only grad_out -> fewer comm SMs needed
+        if args.kept_comm_sms:
+            try:
+                from megatron_mok import kernel as fk
+
+                fkw = dict(comm_sms=8, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+                hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
+                kept = fk.KeptRows.allocate(1, rows, H, F, args.minibatch, "cuda")
+                _, kcomb, _ = fk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept, **fkw)
+                for comm in args.kept_comm_sms:
+                    kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+                    gx, gw, g1, g2 = bk.mok_backward_emulated(
+                        [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, kept=kept, **kw
+                    )
+                    errs = dict(
+                        grad_x=rel(gx[0], t_ref[0]),
+                        grad_w=rel(gw[0], t_ref[1]),
+                        grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
+                        grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
+                    )
+                    print(
+                        f"MoK saved-h+kept comm_sms={comm}: rel err vs torch "
+                        + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
+                        flush=True,
+                    )
+                    for mode, label, fl in (
+                        ("none", "dgrad kernel only", 6.0 * rows * H * F),
+                        ("mm", "+ mm fp32 wgrad", None),
+                        ("kernel", "+ wgrad kernel", None),
+                    ):
+                        fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(  # noqa: E731
+                            [go], [x], [idx], [w], kcomb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, kept=kept, **kw
+                        )
+                        ms, mn = timeit(fn, args.iters, args.warmup)
+                        pm = pipelined(fn, args.iters, 1)
+                        bk.check_last_error()
+                        if fl is not None:
+                            extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                        else:
+                            extra = f"{tf(model_flops, ms):6.1f} model TFLOP/s ({tf(model_flops, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                            if best is None or ms < best[0]:
+                                best = (ms, comm, f"{mode}, saved h + kept x/act")
+                            if best_pipe is None or pm < best_pipe[0]:
+                                best_pipe = (pm, f"{mode}, saved h + kept x/act, comm {comm}")
+                        extra += f"; pipelined {pm:.3f} ms/call"
+                        print(
+                            f"MoK saved-h+kept comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}",
+                            flush=True,
+                        )
+            except Exception as exc:
+                print(f"MoK saved-h+kept: FAILED {type(exc).__name__}: {exc}", flush=True)
+                traceback.print_exc(limit=4)
 
     m_ms = m_pipe = None
     if not args.no_mcore:

@@ -129,6 +129,32 @@ def bench_shape(name, args, results):
             if isinstance(exc, mk.MokKernelError):
                 break
 
+    if best and not args.no_training:
+        # the training forward (what the layer runs under autograd): saved h, and saved h + kept x / act rows
+        # (kernel.save_expert_input: the caller's layout-order buffers stand in for the ring)
+        os.environ["MOK_RASTER"] = str(best[3])
+        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2])
+        hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
+        kept = mk.KeptRows.allocate(1, rows, H, F, best[2], "cuda")
+        for label, extra_kw in (
+            ("saved h", dict(saved_h=hbuf)),
+            ("saved h + kept x/act", dict(saved_h=hbuf, keep=kept)),
+        ):
+            try:
+                fn = lambda e=extra_kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw, **e)  # noqa: E731
+                ms, mn = timeit(fn, args.iters, args.warmup)
+                mk.check_last_error()
+                out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra_kw)
+                err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
+                print(
+                    f"MoK training forward ({label}, comm_sms={best[1]} minibatch={best[2]}): {ms:8.3f} ms (min {mn:.3f}) "
+                    f"{tf(ms):7.1f} TFLOP/s  {tf(ms) / PEAK * 100:5.1f}% of {PEAK:.0f}  rel.err vs torch {err:.2e}",
+                    flush=True,
+                )
+                res.setdefault("mok_training", []).append({"variant": label, "ms": ms, "tflops": tf(ms)})
+            except Exception as exc:
+                print(f"MoK training forward ({label}): FAILED {type(exc).__name__}: {exc}", flush=True)
+
     if args.ablate and best and os.environ.get("MOK_ABLATION") != "1":
         print("ablation skipped: run with MOK_ABLATION=1 (separate kernel build with the MOK_DEBUG switches)")
     elif args.ablate and best:
@@ -224,6 +250,7 @@ def main():
     ap.add_argument("--sweep-comm", type=lambda s: [int(v) for v in s.split(",")], default=[4, 8, 16])
     ap.add_argument("--sweep-mb", type=lambda s: [int(v) for v in s.split(",")], default=[2560, 4096, 8192])
     ap.add_argument("--no-mcore", action="store_true")
+    ap.add_argument("--no-training", action="store_true", help="skip the saved-h / kept-rows forward timings")
     ap.add_argument("--ablate", action="store_true", help="also time leave-one-stage-out variants (MOK_DEBUG)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

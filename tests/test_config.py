@@ -74,6 +74,7 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
         ("kernel", "minibatch_tokens", -64, "positive"),
         ("kernel", "ring_slots", "4", "expected int"),
         ("kernel", "save_fc1_output", 1, "expected bool"),
+        ("kernel", "save_expert_input", "yes", "expected bool"),
         ("kernel", "comm_sms", True, "got bool"),
         ("kernel", "gemm_tile_n", 100, "power of two"),
         ("kernel", "owner_capacity_factor", 0.5, "or >= 1.0"),

@@ -159,6 +159,11 @@ struct MokBwdArgs {
   // 1: skip the router-weight gradient and the grad_x sum; the wgrad launch that follows on the same
   // stream does them (MokWgradArgs.home_parts) with its idle producer warps. 0: done here.
   int defer_home;
+  // 1: xl already holds the layout-order expert input rows (the forward kernel kept them, keep_x):
+  // the comm SMs pull only grad_out. act_kept (needs saved_h): act holds the forward's SwiGLU output
+  // rows (keep_act), not recomputed from h.
+  int x_kept;
+  int act_kept;
 };
 
 }  // extern "C"
@@ -271,6 +276,8 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
                        "is missing");
   }
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  if (a->act_kept && !a->saved_h)
+    return write_err(errbuf, errlen, "act_kept needs saved_h (the recompute path writes act in its stage-1 epilogue)");
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0, max_blocks = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
@@ -435,6 +442,8 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   P.t1 = ws.mt_max * P.nt1;
   P.tickets_per_mb = ws.mt_max * (P.nt1 + P.nt2);
   P.defer_home = a->defer_home ? 1 : 0;
+  P.x_kept = a->x_kept ? 1 : 0;
+  P.act_kept = a->act_kept ? 1 : 0;
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;

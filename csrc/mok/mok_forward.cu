@@ -151,6 +151,14 @@ struct MokLaunchArgs {
   int fp8;
   const unsigned long long* w1s;
   const unsigned long long* w2s;
+  // Optional (bf16 only): keep the expert input and SwiGLU output rows for the backward. keep_x
+  // [parts][keep_rows][H] and keep_act [parts][keep_rows][F] bf16 (parts = the launch's ranks,
+  // contiguous) replace the ring: minibatch i sits at rows [i*M, (i+1)*M) of its owner's part, i.e. in
+  // layout order, so the backward reads them instead of pulling x again and recomputing act (the rows
+  // Megatron's grouped GEMM keeps too). keep_rows: a multiple of the minibatch, the owner capacity.
+  unsigned long long keep_x;
+  unsigned long long keep_act;
+  long long keep_rows;
 };
 
 }  // extern "C"
@@ -181,6 +189,11 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
   if (a->fp8 && (a->H % 128 || a->F % 128))
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
+  if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
+  if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
+  if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch || a->keep_rows / a->minibatch >= (1 << 24)))
+    return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
+                      a->minibatch);
   long long entries = 0;
   for (int r = 0; r < a->R; ++r) {
     if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
@@ -208,7 +221,8 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.layout_cap = entries > 0 ? entries : 1;
   w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
   w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
-  const size_t S = a->ring_slots, M = a->minibatch;
+  // kept rows: the caller's buffers are the ring (one slot per minibatch), none in the workspace
+  const size_t S = a->keep_x ? 0 : a->ring_slots, M = a->minibatch;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
   w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
@@ -308,7 +322,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   uint8_t* host = stg->host;
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
-  const int L = a->L, H = a->H, F = a->F, S = a->ring_slots, M = a->minibatch;
+  const int L = a->L, H = a->H, F = a->F, M = a->minibatch;
+  const int S = a->keep_x ? (int)(a->keep_rows / M) : a->ring_slots;  // kept rows: a slot per minibatch
+  const bool keep = a->keep_x != 0;
   if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
   const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
   for (int g = 0; a->fp8 && g < np * L; ++g) {  // e4m3 weights: 1-byte maps, 128-element (= 128 B) K boxes
@@ -353,8 +369,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
       return 1;
   }
   for (int p = 0; !a->fp8 && p < np; ++p) {
-    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.ring) + (size_t)p * S * M * H;
-    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(wsp + ws.act) + (size_t)p * S * M * F;
+    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring)) + (size_t)p * S * M * H;
+    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act)) + (size_t)p * S * M * F;
     if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBK, mok::kBM, errbuf,
                    errlen, "ring"))
       return 1;
@@ -400,11 +416,13 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.stall_rank = a->stall_rank; P.stall_slot = a->stall_slot;
   P.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
   P.layout_cap = ws.layout_cap;
-  P.owner_rows = a->saved_h ? a->saved_h_rows : LLONG_MAX;  // without saved h no row buffer is owner-sized
+  P.owner_rows = LLONG_MAX;  // without saved h or kept rows no row buffer is owner-sized
+  if (a->saved_h) P.owner_rows = a->saved_h_rows;
+  if (keep) P.owner_rows = std::min<long long>(P.owner_rows, a->keep_rows);
   P.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);
   P.tmaps = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
-  P.ring = reinterpret_cast<__nv_bfloat16*>(wsp + ws.ring);
-  P.act = reinterpret_cast<__nv_bfloat16*>(wsp + ws.act);
+  P.ring = reinterpret_cast<__nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring));
+  P.act = reinterpret_cast<__nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act));
   P.layout = reinterpret_cast<int2*>(wsp + ws.layout);
   P.local_rank = reinterpret_cast<int*>(wsp + ws.local_rank);
   P.chunk_counts = reinterpret_cast<int*>(wsp + ws.chunk_counts);

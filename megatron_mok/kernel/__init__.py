@@ -20,13 +20,14 @@ Contract (used by the dispatcher):
 from __future__ import annotations
 
 from .availability import KernelAvailability
-from .emulated import MOK_MAX_RANKS, check_last_error, check_pending_errors, mok_forward_emulated
+from .emulated import MOK_MAX_RANKS, KeptRows, check_last_error, check_pending_errors, mok_forward_emulated
 from .errors import MokKernelError
 from .peer_ep import PeerBuffers, mok_forward_rank
 from .timeline import Timeline
 
 __all__ = [
     "MOK_MAX_RANKS",
+    "KeptRows",
     "MokKernelError",
     "PeerBuffers",
     "Timeline",

@@ -174,6 +174,9 @@ class _Args(ctypes.Structure):
         ("dhs", ctypes.c_void_p),
         # 1: the wgrad launch that follows does the router grad and the grad_x sum (HomeReductions)
         ("defer_home", ctypes.c_int),
+        # 1: xl / act are the forward's kept rows (KeptRows): pull grad_out only, no act rows from h
+        ("x_kept", ctypes.c_int),
+        ("act_kept", ctypes.c_int),
     ]
 
 
@@ -523,6 +526,21 @@ def weight_grads_kernel(
     return gw1, gw2
 
 
+def _kept_or_new(kept, parts: int, cap: int, H: int, F: int, saved: bool, device, fail=_fail):
+    """Owner-side xl / act buffers [cap, H] / [cap, F] per part: views of the forward's kept rows
+    (KeptRows; act only with saved h: the recompute path writes its own), or new ones."""
+    bf = dict(dtype=torch.bfloat16, device=device)
+    if kept is None:
+        return [torch.empty((cap, H), **bf) for _ in range(parts)], [torch.empty((cap, F), **bf) for _ in range(parts)]
+    if tuple(kept.x.shape[::2]) != (parts, H) or tuple(kept.act.shape[::2]) != (parts, F):
+        fail(f"kept rows are [{tuple(kept.x.shape)}, {tuple(kept.act.shape)}], need {parts} parts of H={H} / F={F}")
+    if kept.rows < cap:
+        fail(f"kept rows hold {kept.rows} rows per owner, the backward needs {cap}")
+    xl = [kept.x[p, :cap] for p in range(parts)]
+    act = [kept.act[p, :cap] for p in range(parts)] if saved else [torch.empty((cap, F), **bf) for _ in range(parts)]
+    return xl, act
+
+
 def mok_backward_emulated(
     grad_out,
     x,
@@ -546,6 +564,7 @@ def mok_backward_emulated(
     saved_h=None,
     timeline=None,
     fp8=None,
+    kept=None,
 ):
     """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
 
@@ -559,6 +578,8 @@ def mok_backward_emulated(
     fp8: a ``kernel.fp8_weights.Fp8ExpertWeights`` of w1 / w2 with its transposes (``with_transposes()``)
     selects the FP8 dgrad (kernel.dtype fp8): needs saved_h and hidden / ffn sizes multiples of 128; the
     wgrad stays bf16 x bf16 -> fp32.
+    kept: the ``KeptRows`` of the matching ``mok_forward_emulated(..., keep=...)``: xl (and with saved_h
+    act) are read there (layout order, whatever the two minibatches), so the comm SMs pull only grad_out.
     """
     if not isinstance(x, (list, tuple)) or not x:
         _fail("x must be a non-empty list of per-rank tensors")
@@ -642,10 +663,9 @@ def mok_backward_emulated(
     grad_w = [torch.empty((T, K), dtype=torch.float32, device=device) for T in Ts]
     grad_buf = [torch.empty((T, K, H), **bf) for T in Ts]
     tpe = [torch.empty((L,), dtype=torch.int32, device=device) for _ in range(R)]
-    xl = [torch.empty((cap, H), **bf) for _ in range(R)]
+    xl, act = _kept_or_new(kept, R, cap, H, F, saved_h is not None, device)
     gyl = [torch.empty((cap, H), **bf) for _ in range(R)]
     dh = [torch.empty((cap, 2 * F), **bf) for _ in range(R)]
-    act = [torch.empty((cap, F), **bf) for _ in range(R)]
     f8 = [_fp8_buffers(cap, H, F, device) for _ in range(R)] if fp8 is not None else []
 
     arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
@@ -682,6 +702,8 @@ def mok_backward_emulated(
         args.dh8, args.dhs = ptrs([b["dh8"] for b in f8]), ptrs([b["dhs"] for b in f8])
     if timeline is not None:
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(R * cpr, device)
+    if kept is not None:
+        args.x_kept, args.act_kept = 1, int(saved_h is not None)
     # the wgrad kernel that follows takes the router grad and the grad_x sum (its idle producer warps)
     home = None
     if wgrad == "kernel":
@@ -776,6 +798,7 @@ def mok_backward_rank(
     owner_rows: int = 0,
     ctas: int = 0,
     stream: torch.cuda.Stream | None = None,
+    kept=None,
     check: bool | str = True,
     timeline=None,
     return_buffers: bool = False,
@@ -805,7 +828,8 @@ def mok_backward_rank(
     by the kernel (MokKernelError naming the rank and both counts) before any row is written.
 
     fp8: this rank's ``Fp8ExpertWeights`` (one rank: ``w1q[0][e]``...) with transposes selects the FP8
-    dgrad, as in :func:`mok_backward_emulated`.
+    dgrad, as in :func:`mok_backward_emulated`. kept: the one-part ``KeptRows`` of this rank's matching
+    ``mok_forward_rank(..., keep=...)``: xl (and with saved_h act) are read there, only grad_out is pulled.
     """
     WHO = "mok_backward_rank"
 
@@ -862,10 +886,9 @@ def mok_backward_rank(
         grad_x = torch.empty((T, H), **bf)
         grad_w = torch.empty((T, K), dtype=torch.float32, device=device)
         tpe = torch.empty((L,), dtype=torch.int32, device=device)
-        xl = torch.empty((cap, H), **bf)
+        (xl,), (act,) = _kept_or_new(kept, 1, cap, H, F, saved_h is not None, device, fail)
         gyl = torch.empty((cap, H), **bf)
         dh = torch.empty((cap, 2 * F), **bf)
-        act = torch.empty((cap, F), **bf)
         w2t = [w.t().contiguous() for w in w2] if saved_h is None else []  # recompute path only
         f8 = _fp8_buffers(cap, H, F, device) if fp8 is not None else None
 
@@ -913,6 +936,8 @@ def mok_backward_rank(
         args.w1t8, args.w1ts = arr([t.data_ptr() for t in fp8.w1tq[0]]), arr([t.data_ptr() for t in fp8.w1ts[0]])
         args.gyl8, args.gys = own_only(f8["gyl8"].data_ptr()), own_only(f8["gys"].data_ptr())
         args.dh8, args.dhs = own_only(f8["dh8"].data_ptr()), own_only(f8["dhs"].data_ptr())
+    if kept is not None:
+        args.x_kept, args.act_kept = 1, int(saved_h is not None)
     args.rank = rank
     args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
     if timeline is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,7 +79,52 @@ class _Args(ctypes.Structure):
         ("fp8", ctypes.c_int),
         ("w1s", ctypes.c_void_p),
         ("w2s", ctypes.c_void_p),
+        # optional kept expert input / SwiGLU output rows (KeptRows), bf16 only
+        ("keep_x", ctypes.c_ulonglong),
+        ("keep_act", ctypes.c_ulonglong),
+        ("keep_rows", ctypes.c_longlong),
     ]
+
+
+@dataclass
+class KeptRows:
+    """The expert input and SwiGLU output rows a bf16 forward launch keeps for the backward.
+
+    x [parts, rows, H] and act [parts, rows, F] bf16 (parts: the launch's owner ranks, R emulated or 1 per
+    rank) stand in for the forward's ring: minibatch i of owner p lands at rows [i*M, (i+1)*M) of part p,
+    i.e. in layout order, so the backward reads xl / act there instead of pulling x again and recomputing
+    act from h (the rows Megatron's grouped GEMM keeps for its wgrad too). ``rows`` is a multiple of the
+    forward's minibatch and the owner capacity: a routing that sends an owner more rows is a kernel error.
+    """
+
+    x: torch.Tensor
+    act: torch.Tensor
+    minibatch: int
+
+    @staticmethod
+    def allocate(parts: int, owner_rows: int, H: int, F: int, minibatch: int, device) -> KeptRows:
+        rows = max(1, -(-owner_rows // minibatch)) * minibatch
+        bf = dict(dtype=torch.bfloat16, device=device)
+        return KeptRows(torch.empty((parts, rows, H), **bf), torch.empty((parts, rows, F), **bf), minibatch)
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[1])
+
+    def check(self, parts: int, H: int, F: int, minibatch: int, device, fail) -> None:
+        if minibatch != self.minibatch:
+            fail(f"kept rows were allocated for minibatch {self.minibatch}, this launch uses {minibatch}")
+        P, rows = parts, self.rows
+        for name, t, n in (("x", self.x, H), ("act", self.act, F)):
+            if t.dtype != torch.bfloat16 or t.device != device or not t.is_contiguous():
+                fail(f"kept {name} must be a contiguous bf16 tensor on {device}")
+            if tuple(t.shape) != (P, rows, n):
+                fail(f"kept {name} must be [{P}, {rows}, {n}], got {tuple(t.shape)}")
+        if rows % minibatch:
+            fail(f"kept rows ({rows}) must be a multiple of the minibatch ({minibatch})")
+
+    def set_args(self, args) -> None:
+        args.keep_x, args.keep_act, args.keep_rows = self.x.data_ptr(), self.act.data_ptr(), self.rows
 
 
 _lock = threading.Lock()
@@ -254,6 +300,7 @@ def mok_forward_emulated(
     timeline=None,
     saved_h=None,
     fp8=None,
+    keep: KeptRows | None = None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
 
@@ -262,6 +309,8 @@ def mok_forward_emulated(
     fp8: optional ``Fp8ExpertWeights`` (fp8_weights.py) of w1 / w2: runs the FP8 kernel (e4m3 with 1 x 128
     activation and 128 x 128 weight block scales, activations quantised in the pull and the SwiGLU
     epilogue, fp32 accumulation, bf16 outputs); w1 / w2 then only give the shapes.
+    keep: optional ``KeptRows`` (R parts, rows >= sum_r T_r * K): the launch keeps the expert input and
+    SwiGLU output rows there, for ``mok_backward_emulated(..., kept=keep)`` (bf16 only).
     """
     R, L, H, F, K, device = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
@@ -327,6 +376,13 @@ def mok_forward_emulated(
                 _fail(f"saved_h[{q}] must be contiguous [>= {rows}, {2 * F}], got {tuple(t.shape)}")
         args.saved_h = arr([t.data_ptr() for t in saved_h])
         args.saved_h_rows = min(int(t.shape[0]) for t in saved_h)
+    if keep is not None:
+        if fp8 is not None:
+            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
+        keep.check(R, H, F, minibatch_tokens, device, _fail)
+        if keep.rows < sum(Ts) * K:
+            _fail(f"keep has {keep.rows} rows per owner, every routed row may land on one owner: need {sum(Ts) * K}")
+        keep.set_args(args)
 
     stream = torch.cuda.current_stream(device)
     ebuf = ctypes.create_string_buffer(1024)

@@ -171,6 +171,7 @@ def mok_forward_rank(
     timeline=None,
     saved_h: torch.Tensor | None = None,
     fp8=None,
+    keep=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE forward of rank ``bufs.rank`` (one kernel launch; every rank must make the matching call).
 
@@ -183,6 +184,8 @@ def mok_forward_rank(
     the owner capacity: world * T * K never overflows; with fewer, a routing that sends this rank more
     rows is reported by the kernel (every rank sees it and leaves) before any row is written.
     fp8: optional ``Fp8ExpertWeights`` of this rank's experts (one rank: ``w1q[0][e]`` ...): the FP8 kernel.
+    keep: optional ``KeptRows`` with one part (rows: the owner capacity, as saved_h's): this rank's expert
+    input and SwiGLU output rows stay there, for ``mok_backward_rank(..., kept=keep)`` (bf16 only).
     """
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -254,6 +257,11 @@ def mok_forward_rank(
             )
         args.saved_h = arr(own_only(saved_h.data_ptr()))
         args.saved_h_rows = int(saved_h.shape[0])
+    if keep is not None:
+        if fp8 is not None:
+            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
+        keep.check(1, H, F, minibatch_tokens, device, _fail)
+        keep.set_args(args)
     args.rank = rank
     args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
     if timeline is not None:  # megatron_mok.kernel.timeline.Timeline

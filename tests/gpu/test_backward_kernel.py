@@ -87,6 +87,7 @@ def _case(
     wgrad="kernel",
     chain_forward=False,
     saved_h=False,
+    kept=False,
 ):
     from routings import make_topk
 
@@ -115,6 +116,14 @@ def _case(
     if saved_h:  # the forward kernel keeps h (bf16) and the backward reads it instead of recomputing fc1
         chain_forward = True
         hs = [torch.full((sum(tokens) * K, 2 * F), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(R)]
+    keep = None
+    if kept:  # the forward keeps xl / act (NaN first: every row the backward reads must be written)
+        chain_forward = True
+        from megatron_mok.kernel import KeptRows
+
+        keep = KeptRows.allocate(R, sum(tokens) * K, H, F, minibatch, dev)
+        keep.x.fill_(float("nan"))
+        keep.act.fill_(float("nan"))
     if chain_forward:
         from megatron_mok import kernel as fk
 
@@ -130,6 +139,7 @@ def _case(
             ring_slots=ring_slots,
             minibatch_tokens=minibatch,
             saved_h=hs,
+            keep=keep,
         )
     gx, gw, g1, g2 = bk.mok_backward_emulated(
         gos,
@@ -145,6 +155,7 @@ def _case(
         wgrad=wgrad,
         timeout_ms=4000.0,
         saved_h=hs,
+        kept=keep,
     )
     torch.cuda.synchronize()
     worst = {}
@@ -170,7 +181,7 @@ def _case(
         with open(log, "a") as f:
             f.write(
                 f"R={R} kind={kind} H={H} F={F} K={K} L={L} tokens={tokens} M={minibatch} S={ring_slots} "
-                f"wgrad={wgrad} chain={chain_forward} saved_h={saved_h}: "
+                f"wgrad={wgrad} chain={chain_forward} saved_h={saved_h} kept={kept}: "
                 + " ".join(f"{k}={v:.3e}" for k, v in worst.items())
                 + "\n"
             )
@@ -233,6 +244,16 @@ def test_backward_with_saved_fc1_output(bk, R, kind):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("saved", [False, True], ids=["recompute", "saved_h"])
+@pytest.mark.parametrize("kind", ["random", "empty_experts", "all_to_one"])
+def test_backward_with_kept_expert_input(bk, R, saved, kind):
+    # the forward keeps the layout-order x and act rows (kernel.save_expert_input); the backward pulls
+    # only grad_out (and with saved h reads the forward's act), against the reference
+    _case(bk, R, kind, comm_sms=2, ring_slots=2, minibatch=128, seed=60 + R, saved_h=saved, kept=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("F", [192, 320])
 def test_backward_saved_fc1_output_partial_tiles(bk, F):
     # saved h with F not a multiple of the 128-column stage-1 tile (masked columns)
@@ -240,7 +261,8 @@ def test_backward_saved_fc1_output_partial_tiles(bk, F):
 
 
 @pytest.mark.gpu
-def test_backward_kimi_k2_slice_saved_fc1_output(bk):
+@pytest.mark.parametrize("kept", [False, True], ids=["pulled_x", "kept_x"])
+def test_backward_kimi_k2_slice_saved_fc1_output(bk, kept):
     _case(
         bk,
         1,
@@ -255,6 +277,7 @@ def test_backward_kimi_k2_slice_saved_fc1_output(bk):
         minibatch=2560,
         seed=13,
         saved_h=True,
+        kept=kept,
     )
 
 

@@ -35,7 +35,7 @@ def _inputs(R, L, H, F, K, T, mode, seed):
     return x, list(idx), list(wts), w1, w2
 
 
-def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp8=None, **kw):
+def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp8=None, keep=None, **kw):
     from megatron_mok.kernel.peer_ep import mok_forward_rank
 
     R = len(bufs)
@@ -55,6 +55,7 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp
             check=False,
             saved_h=None if saved_h is None else saved_h[r],
             fp8=None if fp8 is None else fp8[r],
+            keep=None if keep is None else keep[r],
             **kw,
         )
     return res
@@ -432,16 +433,20 @@ def test_symmetric_memory_multi_gpu(kernel, tmp_path):
 
 
 @pytest.mark.parametrize("R", [2, 4])
-@pytest.mark.parametrize("variant", ["bf16_recompute", "bf16_saved_h", "fp8_saved_h"])
+@pytest.mark.parametrize(
+    "variant", ["bf16_recompute", "bf16_saved_h", "fp8_saved_h", "bf16_recompute_kept", "bf16_saved_h_kept"]
+)
 def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, variant):
     """Per-rank backward with the wgrad kernel inside the call (the layer's default): each rank's dgrad
     leaves its router grad and grad_x sum to its wgrad launch (defer_home), after it met every peer's
-    pushes; FP8 dgrad per rank with each rank's own transposed e4m3 weights. Same bits as emulated EP."""
+    pushes; FP8 dgrad per rank with each rank's own transposed e4m3 weights; "kept": each rank's forward
+    keeps its x / act rows (KeptRows) and its backward pulls only grad_out. Same bits as emulated EP."""
+    from megatron_mok.kernel import KeptRows
     from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated, mok_backward_rank
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
     from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
 
-    fp8, saved = variant.startswith("fp8"), variant.endswith("saved_h")
+    fp8, saved, kept = variant.startswith("fp8"), "saved_h" in variant, variant.endswith("kept")
     L, H, F, K, T = 3, 512, 384, 4, 400
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -457,22 +462,27 @@ def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, vari
         return [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
 
     h_rank, h_emu = hbufs(), hbufs()
-    fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=h_rank, fp8=per_rank if fp8 else None, **cfg)
+    M = cfg["minibatch_tokens"]
+    k_rank = [KeptRows.allocate(1, R * T * K, H, F, M, dev) for _ in range(R)] if kept else None
+    k_emu = KeptRows.allocate(R, R * T * K, H, F, M, dev) if kept else None
+    fwd = _launch_all(
+        bufs, x, idx, wts, w1, w2, streams, saved_h=h_rank, fp8=per_rank if fp8 else None, keep=k_rank, **cfg
+    )
     for r in range(R):
         check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
     torch.cuda.synchronize()
     comb = [fwd[r][1].clone() for r in range(R)]
-    kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, fp8=q8, **cfg)  # the emulated launch's h
+    kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, fp8=q8, keep=k_emu, **cfg)  # emulated h / kept
     res = {}
     for r in range(R):
         streams[r].wait_stream(torch.cuda.current_stream())
         res[r] = mok_backward_rank(
             bufs[r], go[r], x[r], idx[r], wts[r], comb[r], w1[r], w2[r],
             saved_h=None if h_rank is None else h_rank[r], ctas=sms // R, stream=streams[r], check=False,
-            wgrad="kernel", fp8=per_rank[r], **cfg,
+            wgrad="kernel", fp8=per_rank[r], kept=None if k_rank is None else k_rank[r], **cfg,
         )  # fmt: skip
     for r in range(R):
         check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
     torch.cuda.synchronize()
-    ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, fp8=q8, **cfg)
+    ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, fp8=q8, kept=k_emu, **cfg)
     _assert_same_backward(res, ref, R, L)

@@ -1,6 +1,6 @@
 // Backward comm role (comm SMs of owner rank q) and the home-side reductions.
 //
-// pull reverse-combine: minibatch by minibatch (same minibatch/slot protocol as the forward: minibatch i
+// pull reverse-combine (x_kept: the forward kept xl, only grad_out is pulled): minibatch by minibatch (same minibatch/slot protocol as the forward: minibatch i
 //   may start once minibatch i-S has finished its reverse-dispatch pushes), each layout row (r, t, k)
 //   pulls x[r][t] and grad_out[r][t] from home rank r and writes, in layout order,
 //     xl[row]  = x[r][t]                          (bf16 copy; fc1 recompute + dW1 operand)
@@ -22,10 +22,10 @@
 namespace mok {
 namespace bwd {
 
-// One warp: xd = xs (bf16 copy) and gd = bf16(w * gs); kFp8 also writes gd's values (as rounded to
+// One warp: xd = xs (bf16 copy; not with kX = false: the forward kept xl) and gd = bf16(w * gs); kFp8 also writes gd's values (as rounded to
 // bf16) as e4m3 with one scale per 1 x 128 block into gq / gqs (H % 128 == 0), the A operand of the FP8
 // dgrad's stage 1. Iteration u covers 32 lanes x 8 values = two scale blocks (fp8_quant.cuh).
-template <bool kFp8>
+template <bool kFp8, bool kX>
 __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, __nv_bfloat16* __restrict__ gd,
                                                uint8_t* __restrict__ gq, float* __restrict__ gqs,
                                                const __nv_bfloat16* __restrict__ xs,
@@ -43,7 +43,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
       const int v = base + u * 32 + lane;
       bx[u] = bg[u] = make_uint4(0, 0, 0, 0);
       if (v < nv) {
-        bx[u] = __ldg(xs4 + v);
+        if constexpr (kX) bx[u] = __ldg(xs4 + v);
         bg[u] = __ldg(gs4 + v);
       }
     }
@@ -60,7 +60,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
         po[i] = pack2(w * f.x, w * f.y);
       }
       if (v < nv) {
-        xd4[v] = bx[u];
+        if constexpr (kX) xd4[v] = bx[u];
         gd4[v] = o;
       }
       if constexpr (kFp8) {  // quantise the bf16 gy (what wgrad reads), all lanes (shuffles)
@@ -145,7 +145,8 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
   const int2* layout = bwd_layout(P, q);
   const BwdRank me = P.br[q];
   const long long n_rg = (long long)B.ranks[q].T * K;  // router-grad entries of rank q's tokens
-  const bool act_here = me.saved_h != nullptr;        // recompute: the stage-1 epilogue writes act
+  // recompute: the stage-1 epilogue writes act; act_kept: the forward kept it
+  const bool act_here = me.saved_h != nullptr && !P.act_kept;
   for (int i = 0; i < nmb; ++i) {
     const int s = i % S;
     if (i >= S) {  // the slot's previous minibatch must have finished its reverse-dispatch pushes
@@ -163,10 +164,14 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
       const int2 src = layout[row];
       const int t = src.y / K;
       const float w = B.ranks[src.x].w[src.y];
-      pull_rows_pair<kFp8>(me.xl + (long long)row * H, me.gyl + (long long)row * H,
-                           kFp8 ? me.gyl8 + (long long)row * H : nullptr,
-                           kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr,
-                           B.ranks[src.x].x + (long long)t * H, P.br[src.x].grad_out + (long long)t * H, w, H, lane);
+      uint8_t* const gq = kFp8 ? me.gyl8 + (long long)row * H : nullptr;
+      float* const gqs = kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr;
+      const __nv_bfloat16* const gs = P.br[src.x].grad_out + (long long)t * H;
+      if (P.x_kept)  // warp-uniform
+        pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane);
+      else
+        pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
+                                   B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
     }
     fence_proxy_async_global();  // read next by TMA (async proxy)
     __syncthreads();
