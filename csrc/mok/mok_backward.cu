@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
       if (threadIdx.x == 0) timeline_record(B, kTlBwdGradX, 0, t0, globaltimer_ns());
     }
   } else {
+    bwd_compute_pulls_first_minibatch<kFp8>(P, q, local);
     if (!bwd_compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
     int* flag = reinterpret_cast<int*>(smem);
     if (threadIdx.x == 128) *flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;

@@ -75,6 +75,44 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
   }
 }
 
+// Warps gw, gw + stride, ... of a CTA pull layout rows of minibatch i of owner q: x rows into xl (not when
+// the forward kept them) and the scaled grad_out rows into gyl (+ e4m3 gyl8 / gys with kFp8).
+template <bool kFp8>
+__device__ __forceinline__ void bwd_pull_rows(const BwdParams& P, int q, int i, int gw, int stride) {
+  const Params& B = P.base;
+  const int M = B.minibatch, H = B.H, K = B.K, lane = threadIdx.x & 31;
+  const int N = bwd_expert_off(P, q)[B.L];
+  const int2* layout = bwd_layout(P, q);
+  const BwdRank& me = P.br[q];
+  const int a = i * M, b = min(a + M, N);
+  for (int row = a + gw; row < b; row += stride) {
+    const int2 src = layout[row];
+    const int t = src.y / K;
+    const float w = B.ranks[src.x].w[src.y];
+    uint8_t* const gq = kFp8 ? me.gyl8 + (long long)row * H : nullptr;
+    float* const gqs = kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr;
+    const __nv_bfloat16* const gs = P.br[src.x].grad_out + (long long)t * H;
+    if (P.x_kept)  // warp-uniform
+      pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane);
+    else
+      pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
+                                 B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
+  }
+}
+
+// A compute CTA's share of minibatch 0 (all its threads, before its pipeline starts; bwd_ready_target).
+template <bool kFp8>
+__device__ __forceinline__ void bwd_compute_pulls_first_minibatch(const BwdParams& P, int q, int local) {
+  const Params& B = P.base;
+  bwd_pull_rows<kFp8>(P, q, 0, local * kWarps + (threadIdx.x >> 5), B.ctas_per_rank * kWarps);
+  fence_proxy_async_global();  // read next by TMA (async proxy)
+  __syncthreads();
+  if (threadIdx.x == 0 && !(q == B.stall_rank && 0 == B.stall_slot)) {
+    __threadfence();
+    red_release_gpu_add(c_ready(P, q, 0), 1u);
+  }
+}
+
 // Rank q's home-side buffers as the reductions of home_reduce.cuh take them.
 __device__ __forceinline__ HomeRank home_rank(const BwdParams& P, int q) {
   const RankTable& rt = P.base.ranks[q];
@@ -135,14 +173,12 @@ __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker
 template <bool kFp8>
 __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
   const Params& B = P.base;
-  const int L = B.L, M = B.minibatch, S = B.ring_slots, H = B.H, K = B.K;
+  const int L = B.L, M = B.minibatch, S = B.ring_slots, K = B.K;
   const int* off = bwd_expert_off(P, q);
   const int N = off[L];
   const int nmb = num_minibatches(N, M);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gw = c * kWarps + warp;
+  const int gw = c * kWarps + (threadIdx.x >> 5);
   const int stride = B.comm_sms * kWarps;
-  const int2* layout = bwd_layout(P, q);
   const BwdRank me = P.br[q];
   const long long n_rg = (long long)B.ranks[q].T * K;  // router-grad entries of rank q's tokens
   // recompute: the stage-1 epilogue writes act; act_kept: the forward kept it
@@ -160,19 +196,8 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
     }
     unsigned long long t0 = B.timeline != nullptr ? globaltimer_ns() : 0ull;
     const int a = i * M, b = min(a + M, N);
-    for (int row = a + gw; row < b; row += stride) {
-      const int2 src = layout[row];
-      const int t = src.y / K;
-      const float w = B.ranks[src.x].w[src.y];
-      uint8_t* const gq = kFp8 ? me.gyl8 + (long long)row * H : nullptr;
-      float* const gqs = kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr;
-      const __nv_bfloat16* const gs = P.br[src.x].grad_out + (long long)t * H;
-      if (P.x_kept)  // warp-uniform
-        pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane);
-      else
-        pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
-                                   B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
-    }
+    // minibatch 0: this CTA's share among all ctas_per_rank CTAs (bwd_compute_pulls_first_minibatch)
+    bwd_pull_rows<kFp8>(P, q, i, gw, i == 0 ? B.ctas_per_rank * kWarps : stride);
     fence_proxy_async_global();  // read next by TMA (async proxy)
     __syncthreads();
     if (threadIdx.x == 0 && !(q == B.stall_rank && s == B.stall_slot)) {

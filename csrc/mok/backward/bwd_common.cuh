@@ -84,9 +84,16 @@ __device__ __forceinline__ unsigned* c_gradx_next(const BwdParams& P, int q) {
   return P.ctr + 2 + P.base.nparts + part(P.base, q);
 }
 __device__ __forceinline__ long long c_base(const BwdParams& P) { return 2 + 2LL * P.base.nparts; }
-// +1 per comm CTA once its share of minibatch mb (x rows + scaled grad_out rows) is written
+// +1 per pulling CTA once its share of minibatch mb (x rows + scaled grad_out rows) is written
 __device__ __forceinline__ unsigned* c_ready(const BwdParams& P, int q, int mb) {
   return P.ctr + c_base(P) + (long long)part(P.base, q) * P.base.mb_cap + mb;
+}
+
+// Minibatch 0 is pulled by every CTA of the owner (comm and compute): until it is in place no compute SM
+// has work (a 6144-row Kimi minibatch took the comm SMs alone ~0.5 ms), so its ready counter counts
+// ctas_per_rank CTAs, not comm_sms (bwd_ready_target).
+__device__ __forceinline__ unsigned bwd_ready_target(const BwdParams& P, int mb) {
+  return (unsigned)(mb == 0 ? P.base.ctas_per_rank : P.base.comm_sms);
 }
 // +1 per finished stage-2 (dX) tile of minibatch mb (its reverse-dispatch pushes are written)
 __device__ __forceinline__ unsigned* c_mb_done(const BwdParams& P, int q, int mb) {

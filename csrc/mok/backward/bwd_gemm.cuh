@@ -106,7 +106,7 @@ __device__ void bwd_producer(const BwdParams& P, int q, const BSmem& sm) {
       if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) continue;  // empty ticket
       bool ok;
       if (kind == 1)
-        ok = wait_counter_geq(B, c_ready(P, q, mb), (unsigned)B.comm_sms, q, s, kPhaseDispatchReady);
+        ok = wait_counter_geq(B, c_ready(P, q, mb), bwd_ready_target(P, mb), q, s, kPhaseDispatchReady);
       else
         ok = wait_counter_geq(B, c_s1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done,
                               2);  // secondary: a stalled pull is reported by its own waiters first
