@@ -87,7 +87,8 @@ struct StagingBuf {
   uint8_t* host = nullptr;
   size_t cap = 0;
   int device = -1;
-  bool busy = false;  // acquired, its copy not yet enqueued (guarded by staging_mutex())
+  bool owned = false;  // host is its own cudaMallocHost block (else a slot of a shared slab)
+  bool busy = false;   // acquired, its copy not yet enqueued (guarded by staging_mutex())
   cudaEvent_t done = nullptr;
 };
 
@@ -98,13 +99,16 @@ inline std::mutex& staging_mutex() {
 
 // Pinned host staging of a launch's tensor maps + rank tables (one truly asynchronous H2D copy; a
 // pageable source may make the driver wait for the stream). Record `done` on the stream right after
-// the copy. A buffer is reused only once its last copy has completed; otherwise a new one joins the
-// pool. Never waiting matters: per-rank launches sharing a GPU (dgrad + wgrad of R ranks on R streams)
-// enqueue copies behind kernels that only finish once a later rank has launched, so a host wait on an
-// earlier copy would deadlock them until the kernels' own timeout. Only past kMaxStaging buffers in
-// flight does it wait for the oldest one.
+// the copy. A buffer is reused only once its last copy has completed; otherwise the pool grows. Never
+// waiting matters: per-rank launches sharing a GPU (dgrad + wgrad of R ranks on R streams) enqueue
+// copies behind kernels that only finish once a later rank has launched, so a host wait on an earlier
+// copy would deadlock them until the kernels' own timeout. The pool grows by slabs of kSlabSlots
+// 64 KB slots (one cudaMallocHost each: pinning is slow, and a host running many launches ahead must
+// not pay it per launch); larger tables get their own block. Past kMaxStaging buffers it waits.
 inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
-  constexpr int kMaxStaging = 256;
+  constexpr int kMaxStaging = 512;
+  constexpr size_t kSlot = 64u << 10;
+  constexpr int kSlabSlots = 32;
   static std::vector<std::unique_ptr<StagingBuf>> pool;
   static size_t oldest = 0;  // round-robin victim when the pool is full
   std::lock_guard<std::mutex> lock(staging_mutex());
@@ -116,17 +120,40 @@ inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
     if (q == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: clear it like torch's Event::query
     return q == cudaSuccess;
   };
+  auto add = [&](uint8_t* host, size_t cap, bool owned) -> StagingBuf* {
+    std::unique_ptr<StagingBuf> b(new StagingBuf);
+    b->device = dev;
+    b->host = host;
+    b->cap = cap;
+    b->owned = owned;
+    if (cudaEventCreateWithFlags(&b->done, cudaEventDisableTiming) != cudaSuccess) return nullptr;
+    pool.push_back(std::move(b));
+    return pool.back().get();
+  };
   StagingBuf* pick = nullptr;
   for (auto& b : pool)  // an idle buffer of this device, large enough if one is
     if (b->device == dev && idle(*b) && (!pick || (pick->cap < bytes && b->cap >= bytes))) pick = b.get();
-  if (!pick || pick->cap < bytes) {
-    if (pool.size() < (size_t)kMaxStaging) {
-      std::unique_ptr<StagingBuf> b(new StagingBuf);
-      b->device = dev;
-      if (cudaEventCreateWithFlags(&b->done, cudaEventDisableTiming) != cudaSuccess) return "cudaEventCreate failed";
-      pick = b.get();
-      pool.push_back(std::move(b));
-    } else if (!pick) {  // kMaxStaging copies in flight on this process: wait for the oldest of this device
+  if (pick && pick->cap >= bytes) {
+    pick->busy = true;
+    *out = pick;
+    return nullptr;
+  }
+  if (pool.size() + kSlabSlots <= (size_t)kMaxStaging) {  // grow
+    if (bytes <= kSlot) {
+      uint8_t* slab = nullptr;
+      if (cudaMallocHost(reinterpret_cast<void**>(&slab), kSlot * kSlabSlots) != cudaSuccess)
+        return "cudaMallocHost(staging slab) failed";
+      for (int i = 0; i < kSlabSlots; ++i)
+        if (!(pick = add(slab + i * kSlot, kSlot, false))) return "cudaEventCreate failed";
+      pick = pool[pool.size() - kSlabSlots].get();
+    } else {
+      uint8_t* host = nullptr;
+      const size_t cap = align_up(bytes, kSlot);
+      if (cudaMallocHost(reinterpret_cast<void**>(&host), cap) != cudaSuccess) return "cudaMallocHost failed";
+      if (!(pick = add(host, cap, true))) return "cudaEventCreate failed";
+    }
+  } else {
+    if (!pick) {  // the pool is full and every buffer of this device in flight: wait for the oldest
       for (size_t i = 0; i < pool.size() && !pick; ++i) {
         StagingBuf* b = pool[oldest].get();
         oldest = (oldest + 1) % pool.size();
@@ -135,14 +162,15 @@ inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
       if (!pick) return "no staging buffer free for this device";
       if (cudaEventSynchronize(pick->done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
     }
-  }
-  if (pick->cap < bytes) {
-    if (pick->host) cudaFreeHost(pick->host);
-    pick->host = nullptr;
-    pick->cap = 0;
-    const size_t cap = bytes < (64u << 10) ? (64u << 10) : bytes;  // tables are KBs: one size serves most
-    if (cudaMallocHost(reinterpret_cast<void**>(&pick->host), cap) != cudaSuccess) return "cudaMallocHost failed";
-    pick->cap = cap;
+    if (pick->cap < bytes) {  // idle but too small: give it its own larger block
+      if (pick->owned) cudaFreeHost(pick->host);
+      pick->host = nullptr;
+      pick->cap = 0;
+      const size_t cap = align_up(bytes, kSlot);
+      if (cudaMallocHost(reinterpret_cast<void**>(&pick->host), cap) != cudaSuccess) return "cudaMallocHost failed";
+      pick->cap = cap;
+      pick->owned = true;
+    }
   }
   pick->busy = true;
   *out = pick;
