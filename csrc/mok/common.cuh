@@ -105,7 +105,6 @@ struct Params {
   int mb_cap;                         // max minibatches per rank (counter array size)
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
-  int fp8_stagger;                    // 1: FP8 K loop staggers the two consumer warpgroups (fp8_kloop.cuh)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;
@@ -220,9 +219,6 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 }
 __device__ __forceinline__ void named_bar_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int nthreads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }

@@ -22,10 +22,6 @@ namespace mok {
 // makes it serialise every wgmma of the kernel (warning C7514: each wgmma waits for the previous one).
 // One drain per K block per warpgroup is cheap by comparison: the other consumer warpgroup's group keeps
 // the tensor cores busy meanwhile.
-// Stagger (P.fp8_stagger): consumer warpgroup 1 issues its first group only once warpgroup 0's first
-// group has landed (named barrier 4, once per tile), so the two drains per K block fall at different
-// times instead of together (both warpgroups otherwise start a tile and wait on the same stage barriers
-// in lockstep, and the tensor pipe idles while both rescale).
 // after_first_issue() runs once block 0's group is in flight (the backward flushes a held counter
 // release there, see bwd_gemm.cuh DeferredRelease).
 struct NoHook {
@@ -53,12 +49,10 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     if (kb > 0) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
-      if (kb == 1 && P.fp8_stagger && wgc == 0) named_bar_arrive(4, 256);
       rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
       rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
     }
-    if (kb == 0 && P.fp8_stagger && wgc == 1) named_bar_sync(4, 256);
     mbar_wait(P, &sm.full[st], ph, q, 4);
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
@@ -77,7 +71,6 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   }
   cute::warpgroup_wait<0>();
   fence_acc(acc);
-  if (nk == 1 && P.fp8_stagger && wgc == 0) named_bar_arrive(4, 256);
   if (lt == 0) Barrier::arrive(&sm.empty[prev]);
   rescale_half(acc, pa0 * pb0, pa1 * pb0);
   rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);

@@ -448,8 +448,6 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
-    const char* fs = getenv("MOK_FP8_STAGGER");  // FP8 dgrad: stagger the consumer warpgroups (fp8_kloop.cuh)
-    P.base.fp8_stagger = (fs && fs[0] == '1') ? 1 : 0;
   }
 
   MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, hbytes, cudaMemcpyHostToDevice, stream));

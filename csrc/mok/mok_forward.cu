@@ -404,8 +404,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
   {
-    const char* fs = getenv("MOK_FP8_STAGGER");  // tuning knob (bench_fp8.py --stagger)
-    P.fp8_stagger = (fs && fs[0] == '1') ? 1 : 0;
     const char* rs = getenv("MOK_RASTER");  // tuning knob (bench sweeps it)
     P.raster = rs ? std::max(0, std::min(64, atoi(rs))) : 0;
     const char* ds = getenv("MOK_DEBUG");  // timing ablations only
