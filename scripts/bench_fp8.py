@@ -141,15 +141,33 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
     go = (torch.randn((T, H), device="cuda") * 0.1).bfloat16()
     exact_gx = exact_fp32_grads([x[:n]], [idx[:n]], [w[:n]], w1l, w2l, [go[:n]])[0][0]
     out = {}
-    for kind, f8 in (("bf16", None), ("fp8", q8)):
+    # bf16_kept: the bf16 layer's default (the forward keeps x / act rows, kernel.save_expert_input; the
+    # backward pulls only grad_out, with --kept-comm-sms); the FP8 forward keeps none
+    for kind, f8 in (("bf16", None), ("bf16_kept", None), ("fp8", q8)):
+        kept = mk.KeptRows.allocate(1, rows, H, F, args.minibatch, "cuda") if kind == "bf16_kept" else None
+        kwk = dict(kw, comm_sms=args.kept_comm_sms) if kept is not None else kw
         saved = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        _, comb, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=saved, fp8=f8, **kw)
+        _, comb, _ = mk.mok_forward_emulated(
+            [x], [idx], [w], w1l, w2l, saved_h=saved, fp8=f8, keep=kept, **dict(kw, comm_sms=args.comm_sms)
+        )
         comb = [comb[0].view(T, K, H)]
         for wg in ("kernel", "none"):
 
-            def fn(wg=wg, f8=f8, saved=saved, comb=comb):
+            def fn(wg=wg, f8=f8, saved=saved, comb=comb, kept=kept, kwk=kwk):
                 return bk.mok_backward_emulated(
-                    [go], [x], [idx], [w], comb, w1l, w2l, saved_h=saved, fp8=f8, wgrad=wg, check=False, **kw
+                    [go],
+                    [x],
+                    [idx],
+                    [w],
+                    comb,
+                    w1l,
+                    w2l,
+                    saved_h=saved,
+                    fp8=f8,
+                    wgrad=wg,
+                    check=False,
+                    kept=kept,
+                    **kwk,
                 )
 
             gx = fn()[0][0]
@@ -162,12 +180,12 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
             if wg == "kernel":
                 out[key]["grad_x_rel_err_vs_fp32"] = rel_err(gx[:n], exact_gx)
             print(
-                f"MoK backward {kind:4s} dgrad, wgrad {'kernel' if wg == 'kernel' else 'off   '}: {ms:.3f} ms "
+                f"MoK backward {kind:9s} (comm {kwk['comm_sms']}) dgrad, wgrad {'kernel' if wg == 'kernel' else 'off   '}: {ms:.3f} ms "
                 f"(min {mn:.3f}) = {fl / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
                 + (f" | grad_x rel err vs fp32 {out[key]['grad_x_rel_err_vs_fp32']:.3e}" if wg == "kernel" else ""),
                 flush=True,
             )
-        for comm in args.bwd_comm_sms[1:]:  # the others of the split sweep (dgrad + wgrad kernel)
+        for comm in args.bwd_comm_sms[1:] if kept is None else []:  # the rest of the split sweep (dgrad + wgrad kernel)
             kw2 = dict(kw, comm_sms=comm)
             ms, _ = timeit(
                 lambda kw2=kw2, f8=f8, saved=saved, comb=comb: bk.mok_backward_emulated(
@@ -186,7 +204,8 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
         f"-> {out['bf16_bwd']['ms'] / out['fp8_bwd']['ms']:.2f}x | dgrad alone bf16 {out['bf16_dgrad']['ms']:.3f} "
         f"fp8 {out['fp8_dgrad']['ms']:.3f} -> {out['bf16_dgrad']['ms'] / out['fp8_dgrad']['ms']:.2f}x | grad_x rel "
         f"err vs fp32: bf16 {out['bf16_bwd']['grad_x_rel_err_vs_fp32']:.2e}, fp8 "
-        f"{out['fp8_bwd']['grad_x_rel_err_vs_fp32']:.2e}",
+        f"{out['fp8_bwd']['grad_x_rel_err_vs_fp32']:.2e} | bf16 with kept x/act rows (layer default, comm "
+        f"{args.kept_comm_sms}) {out['bf16_kept_bwd']['ms']:.3f} ms -> fp8 {out['bf16_kept_bwd']['ms'] / out['fp8_bwd']['ms']:.2f}x",
         flush=True,
     )
 
@@ -203,6 +222,12 @@ def main() -> int:
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])
     ap.add_argument("--backward", action="store_true", help="also bf16 vs FP8 dgrad of the backward kernel")
+    ap.add_argument(
+        "--kept-comm-sms",
+        type=int,
+        default=8,
+        help="backward comm SMs of the bf16 backward with kept x / act rows (the layer's default path)",
+    )
     ap.add_argument(
         "--bwd-comm-sms",
         type=lambda v: [int(c) for c in v.split(",") if c],

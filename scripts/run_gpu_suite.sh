@@ -2,7 +2,7 @@
 # The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
 # library, run the GPU tests, record the kernel timeline, run the benchmark. Logs go to $OUT (or ./gpu_logs).
 #   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
-# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timeline, MOK_SUITE_BENCH=0 the benchmark,
+# Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward), MOK_SUITE_BENCH=0 the benchmark,
 #      MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py), MOK_PYTEST_PATHS (tests/gpu),
 #      MOK_PYTEST_ARGS overrides "-x -q".
 set -uo pipefail
@@ -41,6 +41,8 @@ fi
 if [ "${MOK_SUITE_TIMELINE:-1}" != "0" ]; then
   echo "== timeline"
   timeout 120 python3 scripts/timeline.py --config kimi-k2 --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log"
+  timeout 120 python3 scripts/timeline.py --config kimi-k2 --pass backward --out "$OUT/timeline-backward" 2>&1 \
+    | tee "$OUT/timeline-backward.log"
 fi
 if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
   echo "== bench"

@@ -58,19 +58,24 @@ def record(args) -> str:
         from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
         kw["fp8"] = quantize_expert_weights(w1, w2, transposed=args.pass_ == "backward")
+    kept = None
     if args.pass_ == "forward":
         for _ in range(3):
             mok_forward_emulated(x, idx, w, w1, w2, **kw)
         _, _, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
     else:
+        from megatron_mok.kernel import KeptRows
         from megatron_mok.kernel.backward import mok_backward_emulated
 
-        if args.comm_sms == 0:
-            kw["comm_sms"] = k.comm_sms * 2  # the backward pulls two rows per layout row (bench_backward.py)
+        # the layer's backward: the config's backward comm SMs / minibatch; kept x / act rows with bf16
+        # (kernel.save_expert_input, --no-kept: pull x again)
+        bkw = dict(kw, comm_sms=args.comm_sms or k.bwd_comm_sms, minibatch_tokens=k.bwd_minibatch_tokens)
+        if args.dtype == "bf16" and k.save_expert_input and args.kept:
+            kept = KeptRows.allocate(R, T * R * K, H, F, k.minibatch_tokens, dev)
         hbuf = [torch.empty((T * R * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
-        _, comb, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf if args.saved_h else None)
+        _, comb, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf if args.saved_h else None, keep=kept)
         go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
-        bkw = dict(kw, wgrad="none", saved_h=hbuf if args.saved_h else None)
+        bkw.update(wgrad="none", saved_h=hbuf if args.saved_h else None, kept=kept)
         for _ in range(3):
             mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw)
         mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw, timeline=tl)
@@ -81,7 +86,8 @@ def record(args) -> str:
         "saved_h": bool(args.saved_h),
         "config": args.config,
         "shape": {"H": H, "F": F, "K": K, "L": L, "tokens_per_rank": T, "ep": R},
-        **{k: v for k, v in kw.items() if k != "fp8"},
+        **{k: v for k, v in (kw if args.pass_ == "forward" else bkw).items() if k not in ("fp8", "saved_h", "kept")},
+        "kept_rows": args.pass_ == "backward" and kept is not None,
         "dropped_events": tl.dropped(),
         "gpu": torch.cuda.get_device_name(),
     }
@@ -134,6 +140,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="kernel variant (fp8 backward: dgrad)")
     ap.add_argument(
         "--recompute", dest="saved_h", action="store_false", help="backward: recompute fc1 instead of the saved h"
+    )
+    ap.add_argument(
+        "--no-kept",
+        dest="kept",
+        action="store_false",
+        help="backward: the forward keeps no x / act rows (pull x again)",
     )
     ap.add_argument("--render", default=None, help="render an existing timeline JSON to PNG")
     args = ap.parse_args()
