@@ -50,6 +50,6 @@ if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
 fi
 if [ "${MOK_SUITE_FP8:-1}" != "0" ]; then
   echo "== fp8 bench"
-  timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_fp8.py --backward --comm-sms 8 --minibatch 4096 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
+  timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_fp8.py --backward --comm-sms 8 --minibatch 4096 --sweep-comm 8,12 --sweep-mb 4096 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
 fi
 exit $rc
