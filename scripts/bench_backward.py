@@ -131,6 +131,15 @@ def main():
         flush=True,
     )
 
+    def torch_fwd_bwd():
+        comb_t = torch_combine_buf(x, idx, w1, w2, L, F)
+        (comb_t.float() * w.unsqueeze(2)).sum(1).bfloat16()  # the forward's weighted top-k sum
+        return torch_backward(x, idx, w, go, comb_t, w1, w2, L, F)
+
+    tfb_ms, _ = timeit(torch_fwd_bwd, args.iters, args.warmup)
+    print(f"torch (_grouped_mm) forward + backward: {tfb_ms:8.3f} ms", flush=True)
+    mok_fb = m_fb = None
+
     best = None
     best_pipe = None  # (ms per call back to back, mode): the host queues ahead as in training
     configs = [args.comm_sms] + ([c for c in (4, 16) if c != args.comm_sms] if args.sweep else [])
@@ -340,6 +349,26 @@ def main():
                             f"MoK saved-h+kept comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}",
                             flush=True,
                         )
+                    if comm == args.kept_comm_sms[0]:  # the layer's fwd + bwd: forward at the config's ring
+                        fwk = dict(comm_sms=8, ring_slots=4, minibatch_tokens=2048)
+                        kept_fb = fk.KeptRows.allocate(1, rows, H, F, 2048, "cuda")
+
+                        def mok_fwd_bwd(kw=kw, kept_fb=kept_fb, fwk=fwk):
+                            _, c, _ = fk.mok_forward_emulated(
+                                [x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept_fb, check=False, **fwk
+                            )
+                            return bk.mok_backward_emulated(
+                                [go], [x], [idx], [w], c, w1l, w2l, saved_h=hbuf, kept=kept_fb, check=False, **kw
+                            )
+
+                        mok_fb, _ = timeit(mok_fwd_bwd, args.iters, args.warmup)
+                        mok_fb_pipe = pipelined(mok_fwd_bwd, args.iters, 2)
+                        bk.check_last_error()
+                        print(
+                            f"MoK forward (comm 8, mb 2048, saved h + kept) + backward (comm {comm}, mb "
+                            f"{args.minibatch}, wgrad kernel): {mok_fb:8.3f} ms; pipelined {mok_fb_pipe:.3f} ms/call",
+                            flush=True,
+                        )
             except Exception as exc:
                 print(f"MoK saved-h+kept: FAILED {type(exc).__name__}: {exc}", flush=True)
                 traceback.print_exc(limit=4)
@@ -362,6 +391,14 @@ def main():
             m_ms, m_mn = timeit(lambda: out.backward(go, retain_graph=True), args.iters, args.warmup)
             merr = rel(xi.grad / (args.iters + args.warmup), t_ref[0])
             m_pipe = pipelined(lambda: out.backward(go, retain_graph=True), args.iters, 1)
+
+            def mcore_fwd_bwd():
+                xf = x.clone().requires_grad_()
+                pf = probs0.clone().requires_grad_()
+                mcore_forward(experts, disp, xf, routing_map, pf).backward(go)
+
+            m_fb, _ = timeit(mcore_fwd_bwd, args.iters, args.warmup)
+            print(f"Megatron-Core alltoall + SequentialMLP forward + backward: {m_fb:8.3f} ms", flush=True)
             print(
                 f"Megatron-Core alltoall + SequentialMLP backward (EP=1, autograd): {m_ms:8.3f} ms (min {m_mn:.3f}) "
                 f"{tf(model_flops, m_ms):6.1f} model TFLOP/s  grad_x rel err vs torch {merr:.2e}; "
@@ -380,6 +417,11 @@ def main():
         )
         if m_ms:
             line += f" | mcore {m_ms:.3f} ms -> {m_ms / best[0]:.2f}x"
+        print(line, flush=True)
+    if mok_fb:
+        line = f"SUMMARY kimi fwd+bwd: MoK {mok_fb:.3f} ms | torch {tfb_ms:.3f} ms -> {tfb_ms / mok_fb:.2f}x"
+        if m_fb:
+            line += f" | mcore {m_fb:.3f} ms -> {m_fb / mok_fb:.2f}x"
         print(line, flush=True)
     if best_pipe and m_pipe:
         print(
