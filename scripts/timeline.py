@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_mok.kernel.timeline import (  # noqa: E402
     BACKWARD_KINDS,
     FORWARD_KINDS,
+    PhaseWork,
     load_json,
+    phase_fractions,
     render_png,
     save_json,
     summarize,
@@ -123,6 +125,45 @@ def record(args) -> str:
     print(
         f"launch overall: {total / 1e12:.2f} TFLOP in {meta['span_us']:.0f} us = {total / (meta['span_us'] * 1e-6) / 1e12:.0f} TFLOP/s"
     )
+    # fraction of ceiling per phase: GEMMs vs the dense GEMM ceiling of their dtype, copies / reductions
+    # vs the device copy rate (bytes read + written), both measured on the H200 (README ceilings)
+    fp8 = args.dtype == "fp8"
+    gemm_ceil = args.fp8_ceiling if fp8 else args.bf16_ceiling
+    Tt = T * R
+    xq = H * (1 + 4 / 128) if fp8 else 2 * H  # bytes of a ring row (e4m3 + block scales, or bf16)
+    if args.pass_ == "forward":
+        work = {
+            "dispatch": PhaseWork(rows * (2 * H + xq), "byte", args.copy_ceiling),
+            "fc1": PhaseWork(gemms["fc1"], "flop", gemm_ceil),
+            "fc2": PhaseWork(gemms["fc2"], "flop", gemm_ceil),
+            "combine": PhaseWork(rows * 2 * H + Tt * 2 * H, "byte", args.copy_ceiling),
+        }
+    else:
+        kept_x = bool(meta.get("kept_rows"))
+        pull = rows * 2 * H * 2 + (0 if kept_x else rows * 2 * H * 2) + (rows * (H + H / 32) if fp8 else 0)
+        work = {
+            "pull": PhaseWork(pull, "byte", args.copy_ceiling),
+            "dgrad1": PhaseWork(gemms["dgrad1"], "flop", gemm_ceil),
+            "dgrad2": PhaseWork(gemms["dgrad2"], "flop", gemm_ceil),
+            "grad_x": PhaseWork(rows * 2 * H + Tt * 2 * H, "byte", args.copy_ceiling),
+        }
+    fr = phase_fractions(meta, work, meta["ctas"])
+    print(
+        f"fraction of ceiling ({'fp8' if fp8 else 'bf16'} GEMM {gemm_ceil:.0f} TFLOP/s, copy {args.copy_ceiling:.0f} GB/s):"
+    )
+    for kind, f in fr.items():
+        u = "TFLOP/s" if work[kind].unit == "flop" else "GB/s"
+        print(
+            f"  {kind:9s} per busy SM x {meta['ctas']}: {f['rate_full_gpu']:8.1f} {u} = {100 * f['frac_full_gpu']:5.1f}% | "
+            f"over its window: {f['rate_window']:8.1f} {u} = {100 * f['frac_window']:5.1f}%"
+        )
+    sched = meta["window_us"].get("schedule")
+    if sched:
+        print(
+            f"  schedule  {sched[1] - sched[0]:.1f} us of the {meta['span_us']:.0f} us span ({100 * (sched[1] - sched[0]) / meta['span_us']:.1f}%)"
+        )
+    meta["fractions"] = fr
+    save_json(events, path, meta)
     return path
 
 
@@ -147,6 +188,9 @@ def main() -> None:
         action="store_false",
         help="backward: the forward keeps no x / act rows (pull x again)",
     )
+    ap.add_argument("--bf16-ceiling", type=float, default=760.0, help="dense bf16 GEMM TFLOP/s (H200, torch 2.11)")
+    ap.add_argument("--fp8-ceiling", type=float, default=1302.0, help="fp8 rowwise GEMM TFLOP/s (H200, torch 2.11)")
+    ap.add_argument("--copy-ceiling", type=float, default=4150.0, help="device copy GB/s, read + written (H200)")
     ap.add_argument("--render", default=None, help="render an existing timeline JSON to PNG")
     args = ap.parse_args()
     path = args.render or record(args)

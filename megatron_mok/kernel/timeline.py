@@ -139,6 +139,38 @@ def summarize(events: list[TimelineEvent]) -> dict:
     return {"span_us": span, "ctas": ctas, "busy_sm_us": busy, "sm_time_share": share, "window_us": window}
 
 
+@dataclass(frozen=True)
+class PhaseWork:
+    """What one phase of a launch must do: ``amount`` FLOP (unit "flop") or bytes read + written
+    (unit "byte"), and the ceiling of the unit that does it (TFLOP/s or GB/s for the whole GPU)."""
+
+    amount: float
+    unit: str
+    ceiling: float
+
+
+def phase_fractions(summary: dict, work: dict[str, PhaseWork], num_sms: int) -> dict[str, dict[str, float]]:
+    """Per phase: its rate per busy SM-second scaled to the whole GPU (what every SM running it at that
+    rate would do) and over its wall window, each as a fraction of the phase's ceiling. A memory phase
+    run by a few comm SMs shows both: per-SM efficiency, and whether the window itself was long."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, wk in work.items():
+        busy = summary["busy_sm_us"].get(kind, 0.0)
+        win = summary["window_us"].get(kind)
+        if busy <= 0 or not win:
+            continue
+        unit = 1e12 if wk.unit == "flop" else 1e9  # TFLOP/s or GB/s
+        full = wk.amount / (busy * 1e-6 / num_sms) / unit
+        wall = wk.amount / (max(win[1] - win[0], 1e-9) * 1e-6) / unit
+        out[kind] = {
+            "rate_full_gpu": full,
+            "frac_full_gpu": full / wk.ceiling,
+            "rate_window": wall,
+            "frac_window": wall / wk.ceiling,
+        }
+    return out
+
+
 def render_png(events: list[TimelineEvent], path: str, title: str = "MoK forward kernel timeline") -> None:
     """One row per CTA (= SM), one bar per event, coloured by kind."""
     import matplotlib
