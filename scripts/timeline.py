@@ -131,16 +131,23 @@ def record(args) -> str:
     gemm_ceil = args.fp8_ceiling if fp8 else args.bf16_ceiling
     Tt = T * R
     xq = H * (1 + 4 / 128) if fp8 else 2 * H  # bytes of a ring row (e4m3 + block scales, or bf16)
+    # minibatch 0 is pulled by every CTA of an owner, but only the comm CTAs record pull events: count
+    # the comm CTAs' share of it only, so the pull rates are not inflated
+    lkw = kw if args.pass_ == "forward" else bkw
+    cpr = meta["ctas"] // R
+    comm_share = lkw["comm_sms"] / cpr
+    mb0 = sum(min(lkw["minibatch_tokens"], int(t.sum())) for t in tpe)
+    pulled = rows - mb0 * (1 - comm_share)  # rows whose pull the recorded events cover
     if args.pass_ == "forward":
         work = {
-            "dispatch": PhaseWork(rows * (2 * H + xq), "byte", args.copy_ceiling),
+            "dispatch": PhaseWork(pulled * (2 * H + xq), "byte", args.copy_ceiling),
             "fc1": PhaseWork(gemms["fc1"], "flop", gemm_ceil),
             "fc2": PhaseWork(gemms["fc2"], "flop", gemm_ceil),
             "combine": PhaseWork(rows * 2 * H + Tt * 2 * H, "byte", args.copy_ceiling),
         }
     else:
         kept_x = bool(meta.get("kept_rows"))
-        pull = rows * 2 * H * 2 + (0 if kept_x else rows * 2 * H * 2) + (rows * (H + H / 32) if fp8 else 0)
+        pull = pulled * (2 * H * 2 + (0 if kept_x else 2 * H * 2) + ((H + H / 32) if fp8 else 0))
         work = {
             "pull": PhaseWork(pull, "byte", args.copy_ceiling),
             "dgrad1": PhaseWork(gemms["dgrad1"], "flop", gemm_ceil),

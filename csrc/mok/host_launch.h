@@ -87,8 +87,8 @@ struct StagingBuf {
   uint8_t* host = nullptr;
   size_t cap = 0;
   int device = -1;
-  bool owned = false;  // host is its own cudaMallocHost block (else a slot of a shared slab)
-  bool busy = false;   // acquired, its copy not yet enqueued (guarded by staging_mutex())
+  bool busy = false;    // acquired, its copy not yet enqueued (guarded by staging_mutex())
+  bool broken = false;  // its copy was enqueued but `done` not recorded: never reused
   cudaEvent_t done = nullptr;
 };
 
@@ -98,78 +98,68 @@ inline std::mutex& staging_mutex() {
 }
 
 // Pinned host staging of a launch's tensor maps + rank tables (one truly asynchronous H2D copy; a
-// pageable source may make the driver wait for the stream). Record `done` on the stream right after
-// the copy. A buffer is reused only once its last copy has completed; otherwise the pool grows. Never
-// waiting matters: per-rank launches sharing a GPU (dgrad + wgrad of R ranks on R streams) enqueue
-// copies behind kernels that only finish once a later rank has launched, so a host wait on an earlier
-// copy would deadlock them until the kernels' own timeout. The pool grows by slabs of kSlabSlots
-// 64 KB slots (one cudaMallocHost each: pinning is slow, and a host running many launches ahead must
-// not pay it per launch); larger tables get their own block. Past kMaxStaging buffers it waits.
+// pageable source may make the driver wait for the stream). A buffer is reused only once its last
+// copy has completed (its `done` event); the host never waits for one. That matters: per-rank
+// launches sharing a GPU (dgrad + wgrad of R ranks on R streams) enqueue copies behind kernels that
+// only finish once a later rank has launched, so a host wait on an earlier copy would deadlock them
+// until the kernels' own timeout. The first call pins kFirstSlabs slabs of kSlabSlots 64 KB slots; the
+// pool grows by a slab when it has no idle slot (a page-locked allocation serialises the streams
+// around it, so growth should be rare: only a host kFirstSlabs * kSlabSlots launches ahead of the GPU
+// needs it), tables over 64 KB get blocks of their own, and past kMaxStaging buffers acquiring is an
+// error naming the cause, never a wait.
 inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
-  constexpr int kMaxStaging = 512;
+  constexpr size_t kMaxStaging = 1024;
   constexpr size_t kSlot = 64u << 10;
-  constexpr int kSlabSlots = 32;
+  constexpr size_t kSlabSlots = 32;
+  constexpr int kFirstSlabs = 2;
   static std::vector<std::unique_ptr<StagingBuf>> pool;
-  static size_t oldest = 0;  // round-robin victim when the pool is full
   std::lock_guard<std::mutex> lock(staging_mutex());
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return "cudaGetDevice failed";
   auto idle = [](StagingBuf& b) {
-    if (b.busy) return false;
+    if (b.busy || b.broken) return false;
     const cudaError_t q = cudaEventQuery(b.done);
     if (q == cudaErrorNotReady) (void)cudaGetLastError();  // not an error: clear it like torch's Event::query
     return q == cudaSuccess;
   };
-  auto add = [&](uint8_t* host, size_t cap, bool owned) -> StagingBuf* {
+  auto add = [&](uint8_t* host, size_t cap) -> StagingBuf* {
     std::unique_ptr<StagingBuf> b(new StagingBuf);
     b->device = dev;
     b->host = host;
     b->cap = cap;
-    b->owned = owned;
     if (cudaEventCreateWithFlags(&b->done, cudaEventDisableTiming) != cudaSuccess) return nullptr;
     pool.push_back(std::move(b));
     return pool.back().get();
   };
-  StagingBuf* pick = nullptr;
-  for (auto& b : pool)  // an idle buffer of this device, large enough if one is
-    if (b->device == dev && idle(*b) && (!pick || (pick->cap < bytes && b->cap >= bytes))) pick = b.get();
-  if (pick && pick->cap >= bytes) {
-    pick->busy = true;
-    *out = pick;
+  auto add_slab = [&]() -> const char* {
+    uint8_t* slab = nullptr;
+    if (cudaMallocHost(reinterpret_cast<void**>(&slab), kSlot * kSlabSlots) != cudaSuccess)
+      return "cudaMallocHost(staging slab) failed";
+    for (size_t i = 0; i < kSlabSlots; ++i)
+      if (!add(slab + i * kSlot, kSlot)) return "cudaEventCreate failed";
     return nullptr;
-  }
-  if (pool.size() + kSlabSlots <= (size_t)kMaxStaging) {  // grow
+  };
+  bool have_dev = false;
+  for (auto& b : pool) have_dev = have_dev || b->device == dev;
+  for (int i = 0; !have_dev && i < kFirstSlabs; ++i)
+    if (const char* msg = add_slab()) return msg;
+  StagingBuf* pick = nullptr;
+  for (auto& b : pool)  // the first idle buffer of this device that is large enough
+    if (b->device == dev && b->cap >= bytes && idle(*b)) {
+      pick = b.get();
+      break;
+    }
+  if (!pick) {
+    if (pool.size() + kSlabSlots > kMaxStaging)
+      return "staging pool exhausted: the host is ~1000 launches ahead of the GPU (synchronise now and then)";
     if (bytes <= kSlot) {
-      uint8_t* slab = nullptr;
-      if (cudaMallocHost(reinterpret_cast<void**>(&slab), kSlot * kSlabSlots) != cudaSuccess)
-        return "cudaMallocHost(staging slab) failed";
-      for (int i = 0; i < kSlabSlots; ++i)
-        if (!(pick = add(slab + i * kSlot, kSlot, false))) return "cudaEventCreate failed";
+      if (const char* msg = add_slab()) return msg;
       pick = pool[pool.size() - kSlabSlots].get();
     } else {
       uint8_t* host = nullptr;
-      const size_t cap = align_up(bytes, kSlot);
-      if (cudaMallocHost(reinterpret_cast<void**>(&host), cap) != cudaSuccess) return "cudaMallocHost failed";
-      if (!(pick = add(host, cap, true))) return "cudaEventCreate failed";
-    }
-  } else {
-    if (!pick) {  // the pool is full and every buffer of this device in flight: wait for the oldest
-      for (size_t i = 0; i < pool.size() && !pick; ++i) {
-        StagingBuf* b = pool[oldest].get();
-        oldest = (oldest + 1) % pool.size();
-        if (b->device == dev && !b->busy) pick = b;
-      }
-      if (!pick) return "no staging buffer free for this device";
-      if (cudaEventSynchronize(pick->done) != cudaSuccess) return "cudaEventSynchronize(staging) failed";
-    }
-    if (pick->cap < bytes) {  // idle but too small: give it its own larger block
-      if (pick->owned) cudaFreeHost(pick->host);
-      pick->host = nullptr;
-      pick->cap = 0;
-      const size_t cap = align_up(bytes, kSlot);
-      if (cudaMallocHost(reinterpret_cast<void**>(&pick->host), cap) != cudaSuccess) return "cudaMallocHost failed";
-      pick->cap = cap;
-      pick->owned = true;
+      if (cudaMallocHost(reinterpret_cast<void**>(&host), align_up(bytes, kSlot)) != cudaSuccess)
+        return "cudaMallocHost failed";
+      if (!(pick = add(host, align_up(bytes, kSlot)))) return "cudaEventCreate failed";
     }
   }
   pick->busy = true;
@@ -177,8 +167,8 @@ inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
   return nullptr;
 }
 
-// One launch's hold on a staging buffer (the launchers' `stg`): acquire, fill, cudaMemcpyAsync, record
-// `done`; on every return path the buffer goes back to the pool (reused once `done` has completed).
+// One launch's hold on a staging buffer (the launchers' `stg`): acquire, fill, upload (the H2D copy +
+// `done`); on every return path the buffer goes back to the pool, reused once `done` has completed.
 class StagingLease {
  public:
   StagingLease() = default;
@@ -191,6 +181,18 @@ class StagingLease {
   }
   const char* acquire(size_t bytes) { return acquire_staging(bytes, &buf_); }
   StagingBuf* operator->() const { return buf_; }
+  // The copy of the first `bytes` to dst on `stream`, then `done`. If the copy was enqueued but `done`
+  // could not be recorded, the buffer is never reused (its copy may still be reading it).
+  cudaError_t upload(void* dst, size_t bytes, cudaStream_t stream) {
+    cudaError_t e = cudaMemcpyAsync(dst, buf_->host, bytes, cudaMemcpyHostToDevice, stream);
+    if (e != cudaSuccess) return e;
+    e = cudaEventRecord(buf_->done, stream);
+    if (e != cudaSuccess) {
+      std::lock_guard<std::mutex> lock(staging_mutex());
+      buf_->broken = true;
+    }
+    return e;
+  }
 
  private:
   StagingBuf* buf_ = nullptr;

@@ -450,8 +450,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
   }
 
-  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, hbytes, cudaMemcpyHostToDevice, stream));
-  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
+  MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
   if (a->timeline)
@@ -676,8 +675,7 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
     MOK_CUDA_CHECK(cudaFuncSetAttribute(mok::bwd::mok_wgrad_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cached_smem[dslot] = smem;
   }
-  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ticket, cudaMemcpyHostToDevice, stream));
-  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
+  MOK_CUDA_CHECK(stg.upload(wsp, ws.ticket, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.ticket, 0, ws.total - ws.ticket, stream));
   const unsigned grid = (unsigned)std::min<long long>(num_sms, std::max<long long>(total, 1));
   mok::bwd::mok_wgrad_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);

@@ -191,9 +191,11 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
   if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
-  if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch || a->keep_rows / a->minibatch >= (1 << 24)))
+  if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch))
     return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
                       a->minibatch);
+  if (a->keep_x && a->keep_rows / a->minibatch >= (1 << 24))
+    return !write_err(eb, el, "keep_rows=%lld holds >= 2^24 minibatches of %d rows", a->keep_rows, a->minibatch);
   long long entries = 0;
   for (int r = 0; r < a->R; ++r) {
     if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
@@ -315,8 +317,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                      max_blocks);
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
-  // Host staging of tensor maps + rank table (one H2D copy) in a small ring of pinned buffers, so the
-  // copy is truly asynchronous (a pageable source may make the driver wait for the stream).
+  // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
+  // (host_launch.h), so the copy is truly asynchronous and no launch waits for an earlier one's copy.
   StagingLease stg;
   if (const char* msg = stg.acquire(ws.ring)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
@@ -441,8 +443,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->timeline && (a->timeline_cap < 1 || !a->timeline_count))
     return write_err(errbuf, errlen, "timeline buffer needs timeline_cap >= 1 and a count array");
 
-  MOK_CUDA_CHECK(cudaMemcpyAsync(wsp, host, ws.ring, cudaMemcpyHostToDevice, stream));
-  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
+  MOK_CUDA_CHECK(stg.upload(wsp, ws.ring, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
   if (a->timeline)
@@ -614,8 +615,7 @@ int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf,
         cudaFuncSetAttribute(mok::fp8::mok_fp8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cached_smem[a->device & 63] = smem;
   }
-  MOK_CUDA_CHECK(cudaMemcpyAsync(dev, host, ws.total, cudaMemcpyHostToDevice, stream));
-  MOK_CUDA_CHECK(cudaEventRecord(stg->done, stream));
+  MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
   const unsigned grid = (unsigned)std::min<long long>(num_sms, tiles);
   mok::fp8::mok_fp8_gemm_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
   MOK_CUDA_CHECK(cudaGetLastError());

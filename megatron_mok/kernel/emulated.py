@@ -100,6 +100,8 @@ class KeptRows:
     x: torch.Tensor
     act: torch.Tensor
     minibatch: int
+    #: set by the forward launch that lays the rows out (the backward refuses rows never written)
+    filled: bool = False
 
     @staticmethod
     def allocate(parts: int, owner_rows: int, H: int, F: int, minibatch: int, device) -> KeptRows:
@@ -349,6 +351,13 @@ def mok_forward_emulated(
     args.tpe = arr([t.data_ptr() for t in tpe])
     set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device)
 
+    if keep is not None:  # before sizing the workspace: kept rows replace its ring
+        if fp8 is not None:
+            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
+        keep.check(R, H, F, minibatch_tokens, device, _fail)
+        if keep.rows < sum(Ts) * K:
+            _fail(f"keep has {keep.rows} rows per owner, every routed row may land on one owner: need {sum(Ts) * K}")
+        keep.set_args(args)
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")
@@ -376,19 +385,14 @@ def mok_forward_emulated(
                 _fail(f"saved_h[{q}] must be contiguous [>= {rows}, {2 * F}], got {tuple(t.shape)}")
         args.saved_h = arr([t.data_ptr() for t in saved_h])
         args.saved_h_rows = min(int(t.shape[0]) for t in saved_h)
-    if keep is not None:
-        if fp8 is not None:
-            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
-        keep.check(R, H, F, minibatch_tokens, device, _fail)
-        if keep.rows < sum(Ts) * K:
-            _fail(f"keep has {keep.rows} rows per owner, every routed row may land on one owner: need {sum(Ts) * K}")
-        keep.set_args(args)
 
     stream = torch.cuda.current_stream(device)
     ebuf = ctypes.create_string_buffer(1024)
     rc = lib.mok_forward_emulated_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
     if rc != 0:
         raise MokKernelError(f"MoK launch failed: {ebuf.value.decode(errors='replace')}")
+    if keep is not None:
+        keep.filled = True  # this launch lays the rows out (stream-ordered before any backward)
     if check == "lazy":
         _lazy_checker(dev).after_launch(err, stream, R=R, L=L, timeout_ms=timeout_ms)
     elif check:

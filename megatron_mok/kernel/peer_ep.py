@@ -257,11 +257,6 @@ def mok_forward_rank(
             )
         args.saved_h = arr(own_only(saved_h.data_ptr()))
         args.saved_h_rows = int(saved_h.shape[0])
-    if keep is not None:
-        if fp8 is not None:
-            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
-        keep.check(1, H, F, minibatch_tokens, device, _fail)
-        keep.set_args(args)
     args.rank = rank
     args.epoch = (bufs.epoch + 1) & 0xFFFFFFFF or 1
     if timeline is not None:  # megatron_mok.kernel.timeline.Timeline
@@ -273,6 +268,11 @@ def mok_forward_rank(
                 raise MokKernelError("cannot query the CUDA device")
             grid = n.value
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(grid, device)
+    if keep is not None:  # before sizing the workspace: kept rows replace its ring
+        if fp8 is not None:
+            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
+        keep.check(1, H, F, minibatch_tokens, device, _fail)
+        keep.set_args(args)
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")
@@ -286,6 +286,8 @@ def mok_forward_rank(
     rc = lib.mok_forward_rank_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
     if rc != 0:
         raise MokKernelError(f"MoK rank {rank} launch failed: {ebuf.value.decode(errors='replace')}")
+    if keep is not None:
+        keep.filled = True  # this launch lays the rows out (stream-ordered before any backward)
     bufs.epoch = args.epoch
     if check == "lazy":
         _lazy_checker(args.device).after_launch(bufs.err, stream, R=R, L=L, timeout_ms=timeout_ms)

@@ -6,7 +6,8 @@
 //     xl[row]  = x[r][t]                          (bf16 copy; fc1 recompute + dW1 operand)
 //     gyl[row] = bf16(w[r][t,k] * grad_out[r][t])  (fp32 math; fc2 dgrad + dW2 operand)
 //     FP8 dgrad (kFp8): also gyl8[row] / gys[row] = gyl[row] as e4m3 with 1 x 128 block scales
-//   then publishes ready[q][i] (+1 per comm CTA, release).
+//   then publishes ready[q][i] (+1 per pulling CTA, release: the comm CTAs, and for minibatch 0 every
+//   CTA of the owner, bwd_ready_target).
 // Background work, one share after each minibatch's pull (the pulls leave the comm SMs idle most of the
 //   time, and doing it after the last pull would leave a tail on them):
 //   router-weight grad grad_w[t,k] = <grad_out[t], combine[t,k]> (fp32) of rank q's own tokens (unless
