@@ -142,6 +142,44 @@ def main():
 
     best = None
     best_pipe = None  # (ms per call back to back, mode): the host queues ahead as in training
+
+    def err_text(gx, gw, g1, g2) -> str:
+        errs = dict(
+            grad_x=rel(gx[0], t_ref[0]),
+            grad_w=rel(gw[0], t_ref[1]),
+            grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
+            grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
+        )
+        return "rel err vs torch " + " ".join(f"{k} {v:.2e}" for k, v in errs.items())
+
+    def time_saved_h_modes(label0, tag, pipe_tag, comm, kw, comb, hbuf, kept) -> None:
+        """dgrad alone, + mm wgrad, + wgrad kernel of a saved-h backward (kept: the forward's kept rows),
+        timed alone and back to back; the full-backward modes compete for the SUMMARY."""
+        nonlocal best, best_pipe
+        for mode, label, fl in (
+            ("none", "dgrad kernel only", 6.0 * rows * H * F),
+            ("mm", "+ mm fp32 wgrad", None),
+            ("kernel", "+ wgrad kernel", None),
+        ):
+            fn = lambda m=mode: bk.mok_backward_emulated(  # noqa: E731
+                [go], [x], [idx], [w], comb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, kept=kept, **kw
+            )
+            ms, mn = timeit(fn, args.iters, args.warmup)
+            pm = pipelined(fn, args.iters, 1)
+            bk.check_last_error()
+            if fl is not None:
+                extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+            else:
+                extra = (
+                    f"{tf(model_flops, ms):6.1f} model TFLOP/s ({tf(model_flops, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
+                )
+                if best is None or ms < best[0]:
+                    best = (ms, comm, f"{mode}, {tag}")
+                if best_pipe is None or pm < best_pipe[0]:
+                    best_pipe = (pm, f"{mode}, {pipe_tag}")
+            extra += f"; pipelined {pm:.3f} ms/call"
+            print(f"MoK {label0} comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
+
     configs = [args.comm_sms] + ([c for c in (4, 16) if c != args.comm_sms] if args.sweep else [])
     if args.saved_only:
         configs = []
@@ -150,15 +188,9 @@ def main():
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             try:
                 gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, **kw)
-                errs = dict(
-                    grad_x=rel(gx[0], t_ref[0]),
-                    grad_w=rel(gw[0], t_ref[1]),
-                    grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
-                    grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
-                )
                 print(
-                    f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: rel err vs torch "
-                    + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
+                    f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: "
+                    + err_text(gx, gw, g1, g2),
                     flush=True,
                 )
                 for mode, label, fl in (
@@ -209,16 +241,7 @@ def main():
             gx, gw, g1, g2, bufs = bk.mok_backward_emulated(
                 [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, return_buffers=True, **kw
             )
-            errs = dict(
-                grad_x=rel(gx[0], t_ref[0]),
-                grad_w=rel(gw[0], t_ref[1]),
-                grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
-                grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
-            )
-            print(
-                f"MoK saved-h comm_sms={comm}: rel err vs torch " + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
-                flush=True,
-            )
+            print(f"MoK saved-h comm_sms={comm}: " + err_text(gx, gw, g1, g2), flush=True)
             # the expert weight gradients alone, on the buffers the dgrad kernel left (6 * rows * H * F FLOP)
             wfl = 6.0 * rows * H * F
             bb = [bufs[k][0] for k in ("tpe", "xl", "gyl", "dh", "act")]
@@ -235,27 +258,7 @@ def main():
                     f"({tf(wfl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})",
                     flush=True,
                 )
-            for mode, label, fl in (
-                ("none", "dgrad kernel only", 6.0 * rows * H * F),
-                ("mm", "+ mm fp32 wgrad", None),
-                ("kernel", "+ wgrad kernel", None),
-            ):
-                fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(  # noqa: E731
-                    [go], [x], [idx], [w], kcomb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, **kw
-                )
-                ms, mn = timeit(fn, args.iters, args.warmup)
-                pm = pipelined(fn, args.iters, 1)
-                bk.check_last_error()
-                if fl is not None:
-                    extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
-                else:
-                    extra = f"{tf(model_flops, ms):6.1f} model TFLOP/s ({tf(model_flops, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
-                    if best is None or ms < best[0]:
-                        best = (ms, comm, f"{mode}, saved h")
-                    if best_pipe is None or pm < best_pipe[0]:
-                        best_pipe = (pm, f"{mode}, saved h")
-                extra += f"; pipelined {pm:.3f} ms/call"
-                print(f"MoK saved-h comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}", flush=True)
+            time_saved_h_modes("saved-h", "saved h", "saved h", comm, kw, kcomb, hbuf, None)
             if args.profile:  # where a saved-h backward's GPU time goes, kernel by kernel (gaps = the rest)
                 fn = lambda: bk.mok_backward_emulated(  # noqa: E731
                     [go], [x], [idx], [w], kcomb, w1l, w2l, check=False, saved_h=hbuf, **kw
@@ -311,44 +314,20 @@ def main():
                 _, kcomb, _ = fk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept, **fkw)
                 for comm in args.kept_comm_sms:
                     kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
-                    gx, gw, g1, g2 = bk.mok_backward_emulated(
+                    res = bk.mok_backward_emulated(
                         [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, kept=kept, **kw
                     )
-                    errs = dict(
-                        grad_x=rel(gx[0], t_ref[0]),
-                        grad_w=rel(gw[0], t_ref[1]),
-                        grad_w1=rel(torch.stack(g1[0]), t_ref[2]),
-                        grad_w2=rel(torch.stack(g2[0]), t_ref[3]),
+                    print(f"MoK saved-h+kept comm_sms={comm}: " + err_text(*res), flush=True)
+                    time_saved_h_modes(
+                        "saved-h+kept",
+                        "saved h + kept x/act",
+                        f"saved h + kept x/act, comm {comm}",
+                        comm,
+                        kw,
+                        kcomb,
+                        hbuf,
+                        kept,
                     )
-                    print(
-                        f"MoK saved-h+kept comm_sms={comm}: rel err vs torch "
-                        + " ".join(f"{k} {v:.2e}" for k, v in errs.items()),
-                        flush=True,
-                    )
-                    for mode, label, fl in (
-                        ("none", "dgrad kernel only", 6.0 * rows * H * F),
-                        ("mm", "+ mm fp32 wgrad", None),
-                        ("kernel", "+ wgrad kernel", None),
-                    ):
-                        fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(  # noqa: E731
-                            [go], [x], [idx], [w], kcomb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, kept=kept, **kw
-                        )
-                        ms, mn = timeit(fn, args.iters, args.warmup)
-                        pm = pipelined(fn, args.iters, 1)
-                        bk.check_last_error()
-                        if fl is not None:
-                            extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
-                        else:
-                            extra = f"{tf(model_flops, ms):6.1f} model TFLOP/s ({tf(model_flops, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
-                            if best is None or ms < best[0]:
-                                best = (ms, comm, f"{mode}, saved h + kept x/act")
-                            if best_pipe is None or pm < best_pipe[0]:
-                                best_pipe = (pm, f"{mode}, saved h + kept x/act, comm {comm}")
-                        extra += f"; pipelined {pm:.3f} ms/call"
-                        print(
-                            f"MoK saved-h+kept comm_sms={comm} {label:18s}: {ms:8.3f} ms (min {mn:.3f})  {extra}",
-                            flush=True,
-                        )
                     if comm == args.kept_comm_sms[0]:  # the layer's fwd + bwd: forward at the config's ring
                         fwk = dict(comm_sms=8, ring_slots=4, minibatch_tokens=2048)
                         kept_fb = fk.KeptRows.allocate(1, rows, H, F, 2048, "cuda")
