@@ -70,6 +70,19 @@ def make_routings(Ts, K, E, mode, device, gen):
     return idx, wts
 
 
+def make_backward_case(R, L, H, F, K, Ts, mode, seed):
+    """A seeded emulated-EP backward case on the GPU, drawn in a fixed order: x (bf16 per rank), routing
+    (make_routings), experts (make_experts), output gradients. Returns (x, idx, wts, w1, w2, grad_out)."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
+    idx, wts = make_routings(Ts, K, R * L, mode, dev, gen)
+    w1, w2 = make_experts(R, L, H, F, dev, gen)
+    go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
+    return x, idx, wts, w1, w2, go
+
+
 @contextlib.contextmanager
 def _no_tf32():
     """fp32 matmuls in full precision on the GPU (restores the caller's setting)."""

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from mok_truth import (  # noqa: E402
     exact_fp32_grads,
     ground_truth_fp8_backward,
+    make_backward_case,
     make_experts,
     make_routing,
-    make_routings,
     rel_err,
 )
 
@@ -35,12 +35,7 @@ def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True)
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed)
-    x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
-    idx, wts = make_routings(Ts, K, R * L, mode, dev, gen)
-    w1, w2 = make_experts(R, L, H, F, dev, gen)
-    go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
+    x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, mode, seed)
     q8 = quantize_expert_weights(w1, w2, transposed=True)
     rows = max(1, sum(Ts) * K)
     saved = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]

@@ -17,20 +17,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import make_experts, make_routings, rel_err  # noqa: E402
+from mok_truth import make_backward_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-def _setup(R, L, H, F, K, Ts, mode, seed):
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(seed)
-    x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
-    idx, wts = make_routings(Ts, K, R * L, mode, dev, gen)
-    w1, w2 = make_experts(R, L, H, F, dev, gen)
-    go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
-    return x, idx, wts, w1, w2, go
 
 
 @pytest.mark.parametrize("R", [1, 2, 4])
@@ -42,7 +31,7 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode):
     L, H, F, K = 3, 512, 384, 4
     Ts = [333 + 41 * r for r in range(R)]
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=192)
-    x, idx, wts, w1, w2, go = _setup(R, L, H, F, K, Ts, mode, seed=90 + R)
+    x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, mode, seed=90 + R)
     rows = sum(Ts) * K
     dev = x[0].device
 
@@ -95,7 +84,7 @@ def test_kept_rows_bad_inputs_are_clear_errors(kernel, bk):
     R, L, H, F, K = 2, 2, 256, 128, 2
     Ts = [100, 90]
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128)
-    x, idx, wts, w1, w2, go = _setup(R, L, H, F, K, Ts, "uniform", seed=5)
+    x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, "uniform", seed=5)
     dev = x[0].device
     rows = sum(Ts) * K
     with pytest.raises(ValueError, match="need 380"):
