@@ -534,9 +534,7 @@ def _kept_or_new(kept, parts: int, cap: int, H: int, F: int, saved: bool, device
         return [torch.empty((cap, H), **bf) for _ in range(parts)], [torch.empty((cap, F), **bf) for _ in range(parts)]
     if not kept.filled:
         fail("kept rows were never laid out by a forward launch (mok_forward_*(..., keep=...))")
-    for name, t in (("x", kept.x), ("act", kept.act)):
-        if t.dtype != torch.bfloat16 or t.device != device or not t.is_contiguous() or t.dim() != 3:
-            fail(f"kept {name} must be a contiguous bf16 [parts, rows, n] tensor on {device}")
+    kept.check_storage(device, fail)
     if tuple(kept.x.shape[::2]) != (parts, H) or tuple(kept.act.shape[::2]) != (parts, F):
         fail(f"kept rows are [{tuple(kept.x.shape)}, {tuple(kept.act.shape)}], need {parts} parts of H={H} / F={F}")
     if kept.rows < cap:

@@ -113,19 +113,29 @@ class KeptRows:
     def rows(self) -> int:
         return int(self.x.shape[1])
 
+    def check_storage(self, device, fail) -> None:
+        """Both buffers contiguous bf16 [parts, rows, n] tensors on ``device`` (forward and backward)."""
+        for name, t in (("x", self.x), ("act", self.act)):
+            if t.dtype != torch.bfloat16 or t.device != device or not t.is_contiguous() or t.dim() != 3:
+                fail(f"kept {name} must be a contiguous bf16 tensor on {device}")
+
     def check(self, parts: int, H: int, F: int, minibatch: int, device, fail) -> None:
         if minibatch != self.minibatch:
             fail(f"kept rows were allocated for minibatch {self.minibatch}, this launch uses {minibatch}")
+        self.check_storage(device, fail)
         P, rows = parts, self.rows
         for name, t, n in (("x", self.x, H), ("act", self.act, F)):
-            if t.dtype != torch.bfloat16 or t.device != device or not t.is_contiguous():
-                fail(f"kept {name} must be a contiguous bf16 tensor on {device}")
             if tuple(t.shape) != (P, rows, n):
                 fail(f"kept {name} must be [{P}, {rows}, {n}], got {tuple(t.shape)}")
         if rows % minibatch:
             fail(f"kept rows ({rows}) must be a multiple of the minibatch ({minibatch})")
 
-    def set_args(self, args) -> None:
+    def bind(self, args, parts: int, H: int, F: int, minibatch: int, device, fail, fp8) -> None:
+        """Checks and puts these buffers into a forward launch's args (before its workspace is sized:
+        they replace the ring)."""
+        if fp8 is not None:
+            fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
+        self.check(parts, H, F, minibatch, device, fail)
         args.keep_x, args.keep_act, args.keep_rows = self.x.data_ptr(), self.act.data_ptr(), self.rows
 
 
@@ -351,13 +361,10 @@ def mok_forward_emulated(
     args.tpe = arr([t.data_ptr() for t in tpe])
     set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device)
 
-    if keep is not None:  # before sizing the workspace: kept rows replace its ring
-        if fp8 is not None:
-            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
-        keep.check(R, H, F, minibatch_tokens, device, _fail)
+    if keep is not None:
+        keep.bind(args, R, H, F, minibatch_tokens, device, _fail, fp8)
         if keep.rows < sum(Ts) * K:
             _fail(f"keep has {keep.rows} rows per owner, every routed row may land on one owner: need {sum(Ts) * K}")
-        keep.set_args(args)
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")

@@ -268,11 +268,8 @@ def mok_forward_rank(
                 raise MokKernelError("cannot query the CUDA device")
             grid = n.value
         args.timeline, args.timeline_count, args.timeline_cap = timeline.prepare(grid, device)
-    if keep is not None:  # before sizing the workspace: kept rows replace its ring
-        if fp8 is not None:
-            _fail("keep: the kept rows are bf16; the fp8 kernel keeps none (its backward pulls x again)")
-        keep.check(1, H, F, minibatch_tokens, device, _fail)
-        keep.set_args(args)
+    if keep is not None:
+        keep.bind(args, 1, H, F, minibatch_tokens, device, _fail, fp8)
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")
