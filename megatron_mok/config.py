@@ -65,9 +65,13 @@ class KernelSpec:
     dtype: str = "bf16"
     arch: str = "sm_90a"
     num_sms: int = 132
+    #: SMs set aside for pull dispatch (they also join the final weighted sum). 0: no SM is set aside;
+    #: spare warps of every compute SM's producer warpgroup pull the rows beside the GEMM pipeline (the
+    #: bf16 forward at EP 1 needs only ~a quarter of 8 comm SMs' copy rate, so 8 SMs of GEMM were lost).
     comm_sms: int = 20
-    #: Comm SMs of the backward kernel (0: 2 x comm_sms, at most num_sms - 1): it pulls two rows per
-    #: layout row (x and the output gradient) and does the router gradient on them.
+    #: Comm SMs of the backward kernel (0: 2 x comm_sms, at most num_sms - 1; must be set when comm_sms
+    #: is 0): it pulls two rows per layout row (x and the output gradient) and does the router gradient
+    #: on them.
     backward_comm_sms: int = 0
     ring_slots: int = 4
     #: Rows of the per-expert layout that go through the FFN together (one ring slot).
@@ -241,9 +245,17 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
         raise bad("dtype", "mxfp8 needs arch sm_100a (Blackwell); Hopper (sm_90a) uses dtype fp8 with block scales")
     if not 1 <= spec.num_sms <= MAX_SMS:
         raise bad("num_sms", f"must be in [1, {MAX_SMS}], got {spec.num_sms}")
-    if not 1 <= spec.comm_sms < spec.num_sms:
+    if not 0 <= spec.comm_sms < spec.num_sms:
         raise bad(
-            "comm_sms", f"must be in [1, num_sms - 1 = {spec.num_sms - 1}] so some SMs compute, got {spec.comm_sms}"
+            "comm_sms",
+            f"must be in [0, num_sms - 1 = {spec.num_sms - 1}] so some SMs compute (0: the pull runs on the "
+            f"compute SMs' spare warps), got {spec.comm_sms}",
+        )
+    if spec.comm_sms == 0 and not spec.backward_comm_sms:
+        raise bad(
+            "comm_sms",
+            "0 (the in-SM pull) needs backward_comm_sms set (>= 1): the backward kernel runs its pulls and "
+            "router gradient on dedicated SMs, and its default (2 x comm_sms) would be 0",
         )
     if spec.backward_comm_sms and not 1 <= spec.backward_comm_sms < spec.num_sms:
         raise bad(

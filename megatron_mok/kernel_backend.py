@@ -55,6 +55,11 @@ class KernelBackend:
             raise ValueError(f"KernelBackend dtype must be 'bf16' or 'fp8', got {dtype!r}")
         self.dtype = dtype
         self._fp8_cache = None  # kernel.fp8_weights.Fp8WeightCache (dtype fp8)
+        if comm_sms < 0 or backward_comm_sms < 0 or not (backward_comm_sms or comm_sms):
+            raise ValueError(
+                f"KernelBackend needs comm_sms >= 0 and backward_comm_sms >= 0, and backward_comm_sms >= 1 when "
+                f"comm_sms is 0 (the in-SM pull is forward only), got {comm_sms} / {backward_comm_sms}"
+            )
         self.comm_sms = comm_sms
         self.backward_comm_sms = backward_comm_sms or comm_sms  # the config resolves its default
         # the backward kernel's minibatch (config kernel.backward_minibatch_tokens); 0: the forward's ring

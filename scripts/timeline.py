@@ -52,7 +52,8 @@ def record(args) -> str:
         [(torch.randn((2 * F, H), generator=gen, device=dev) * H**-0.5).bfloat16() for _ in range(L)] for _ in range(R)
     ]
     w2 = [[(torch.randn((H, F), generator=gen, device=dev) * F**-0.5).bfloat16() for _ in range(L)] for _ in range(R)]
-    kw = dict(comm_sms=args.comm_sms or k.comm_sms, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
+    comm = k.comm_sms if args.comm_sms is None else args.comm_sms
+    kw = dict(comm_sms=comm, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
     tl = Timeline(cap=args.cap)
     if args.dtype == "fp8":
         if args.pass_ != "forward" and not args.saved_h:
@@ -72,6 +73,7 @@ def record(args) -> str:
         # the layer's backward: the config's backward comm SMs / minibatch; kept x / act rows with bf16
         # (kernel.save_expert_input, --no-kept: pull x again)
         bkw = dict(kw, comm_sms=args.comm_sms or k.bwd_comm_sms, minibatch_tokens=k.bwd_minibatch_tokens)
+        kw["comm_sms"] = k.comm_sms  # the forward that lays out the kept rows: the config's split
         if args.dtype == "bf16" and k.save_expert_input and args.kept:
             kept = KeptRows.allocate(R, T * R * K, H, F, k.minibatch_tokens, dev)
         hbuf = [torch.empty((T * R * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
@@ -132,7 +134,8 @@ def record(args) -> str:
     Tt = T * R
     xq = H * (1 + 4 / 128) if fp8 else 2 * H  # bytes of a ring row (e4m3 + block scales, or bf16)
     # minibatch 0 is pulled by every CTA of an owner, but only the comm CTAs record pull events: count
-    # the comm CTAs' share of it only, so the pull rates are not inflated
+    # the comm CTAs' share of it only, so the pull rates are not inflated (in-SM pull, comm_sms 0: no
+    # CTA records minibatch 0, and the other minibatches' events overlap the GEMM tiles of their SM)
     lkw = kw if args.pass_ == "forward" else bkw
     cpr = meta["ctas"] // R
     comm_share = lkw["comm_sms"] / cpr
@@ -181,7 +184,12 @@ def main() -> None:
     ap.add_argument("--ep", type=int, default=1, help="emulated EP ranks in the launch")
     ap.add_argument("--ep-of-config", type=int, default=48, help="EP size that sets local experts (E / ep)")
     ap.add_argument("--local-experts", type=int, default=0)
-    ap.add_argument("--comm-sms", type=int, default=0, help="0: the config's value")
+    ap.add_argument(
+        "--comm-sms",
+        type=int,
+        default=None,
+        help="comm SMs of the timed launch (default: the config's; forward 0 = the in-SM pull)",
+    )
     ap.add_argument("--cap", type=int, default=8192, help="events per CTA")
     ap.add_argument("--out", default="timeline")
     ap.add_argument("--pass", dest="pass_", choices=("forward", "backward"), default="forward")

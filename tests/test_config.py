@@ -62,7 +62,8 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
         ("kernel", "ring_slotz", 4, "unknown key"),
         ("model", "hiden_size", 4, "unknown key"),
         ("kernel", "comm_sms", 132, "so some SMs compute"),
-        ("kernel", "comm_sms", 0, "comm_sms"),
+        ("kernel", "comm_sms", -1, "must be in [0, num_sms - 1"),
+        ("kernel", "comm_sms", 0, "needs backward_comm_sms set"),
         ("kernel", "backward_comm_sms", 132, "0 (2 x comm_sms)"),
         ("kernel", "backward_comm_sms", -1, "0 (2 x comm_sms)"),
         ("kernel", "backward_minibatch_tokens", 100, "multiple of minibatch_align"),
@@ -187,6 +188,16 @@ def test_kernel_backend_fp8_weights_are_cached_per_weight_version():
     moved = b._fp8_weights(w1, w2)
     assert moved.w2q[0][0] is not q.w2q[0][0] and torch.allclose(moved.w2s[0][0], 3 * q.w2s[0][0])
     assert moved.w1q[0][0] is q.w1q[0][0]
+
+
+def test_comm_sms_zero_is_the_in_sm_pull():
+    from megatron_mok.kernel_backend import KernelBackend
+
+    spec = parse_config(_with("kernel", comm_sms=0, backward_comm_sms=8)).kernel
+    assert (spec.comm_sms, spec.compute_sms, spec.bwd_comm_sms) == (0, 132, 8)
+    assert KernelBackend(comm_sms=0, backward_comm_sms=8).backward_comm_sms == 8
+    with pytest.raises(ValueError, match="backward_comm_sms >= 1 when comm_sms is 0"):
+        KernelBackend(comm_sms=0)
 
 
 def test_backward_comm_sms_default_and_explicit():

@@ -41,6 +41,7 @@ struct ComputeSmem {
   uint64_t* info_empty;
   TileInfo* info;
   int* off;
+  int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
@@ -57,6 +58,7 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.info_empty = s.info_full + 2;
   s.info = reinterpret_cast<TileInfo*>(s.info_empty + 2);
   s.off = reinterpret_cast<int*>(s.info + 2);
+  s.pull_flag = s.off + MOK_MAX_LOCAL_EXPERTS + 1;  // inside compute_smem_bytes' 64 spare bytes
   return s;
 }
 
@@ -325,7 +327,10 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) ffn_producer<kFp8>(P, q, sm);
+    if (threadIdx.x == 0)
+      ffn_producer<kFp8>(P, q, sm);
+    else if (P.comm_sms == 0 && threadIdx.x >= 32)
+      insm_pull_role<kFp8>(P, q, sm.pull_flag);
     return false;
   } else {
     setmaxnreg_inc<224>();

@@ -68,12 +68,12 @@ __device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* 
 // One warp pulls and quantises one row of H (multiple of 128) bf16 values. Iteration u covers 32 lanes x 8
 // values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly. Up to U
 // 16-byte loads per lane are in flight (the pull is latency-bound, as in copy_row_bf16).
+template <int U>
 __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                                   const __nv_bfloat16* __restrict__ src, int H, int lane) {
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint2* d = reinterpret_cast<uint2*>(dst);
   const int nv = H / 8;
-  constexpr int U = 16;
   for (int base = 0; base < nv; base += 32 * U) {
     uint4 buf[U];
 #pragma unroll

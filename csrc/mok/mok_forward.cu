@@ -3,7 +3,8 @@
 //
 // Grid: P partitions x ctas_per_rank CTAs (1 CTA per SM, 384 threads), one partition per rank run
 // by this launch. In each partition the first comm_sms CTAs do pull dispatch (and the final weighted
-// sum), the rest run the warp-specialized WGMMA expert FFN. Ranks only see each other through the
+// sum), the rest run the warp-specialized WGMMA expert FFN; comm_sms = 0 runs the FFN on every CTA and the
+// pull on spare warps of their producer warpgroups (pull_dispatch.cuh). Ranks only see each other through the
 // per-rank table, so the same device code serves
 //   * emulated EP: all R ranks in one launch on one GPU (P = R), and
 //   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
@@ -186,7 +187,8 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
   if (a->minibatch < 1 || a->minibatch > (1 << 20))
     return !write_err(eb, el, "minibatch_tokens=%d out of [1, 2^20]", a->minibatch);
-  if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
+  if (a->comm_sms < 0)
+    return !write_err(eb, el, "comm_sms=%d must be >= 0 (0: pull on the compute SMs' spare warps)", a->comm_sms);
   if (a->fp8 && (a->H % 128 || a->F % 128))
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");

@@ -3,8 +3,8 @@
 //   minibatch i = rows [i*M, min((i+1)*M, N_q)) of rank q's expert-major layout (may span experts)
 //   slot s = i % S, round j = i / S
 //   ready[q][i]      : +1 by each pulling CTA after it copied its share of minibatch i into slot s.
-//                      Compute may read slot s for minibatch i once ready >= comm_sms (minibatch 0:
-//                      >= ctas_per_rank, every CTA of the rank pulls it, pull_dispatch.cuh).
+//                      Compute may read slot s for minibatch i once ready >= comm_sms (minibatch 0, and
+//                      every minibatch of the in-SM pull (comm_sms 0): >= ctas_per_rank, pull_dispatch.cuh).
 //   fc1_done[q][i][mt]: +1 per finished fc1 n-tile of row block mt; fc2 of (i, mt) needs nt1.
 //   mb_done[q][i]    : +1 per finished fc2 tile of minibatch i (its combine pushes are written).
 //                      Slot s is free for minibatch i+S once mb_done[i] == nt2 * (row blocks of i)

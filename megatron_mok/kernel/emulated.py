@@ -249,8 +249,8 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
                         f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
                         f"16-byte aligned start (got strides {t.stride()})"
                     )
-    if not isinstance(comm_sms, int) or comm_sms < 1:
-        _fail(f"comm_sms must be an int >= 1, got {comm_sms!r}")
+    if not isinstance(comm_sms, int) or comm_sms < 0:
+        _fail(f"comm_sms must be an int >= 0 (0: pull on the compute SMs' spare warps), got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
         _fail(f"ring_slots must be an int in [1, {MOK_MAX_SLOTS}], got {ring_slots!r}")
     if not isinstance(minibatch_tokens, int) or minibatch_tokens < 1:

@@ -120,6 +120,21 @@ def test_kimi_k2_slice_ep8(kernel):
     )
 
 
+@pytest.mark.parametrize("R", [1, 2, 8])
+@pytest.mark.parametrize("mode", ["uniform", "skewed", "empty", "minus1"])
+def test_in_sm_pull(kernel, R, mode):
+    # comm_sms=0: no comm SM; spare producer warps of every compute CTA pull minibatches 1.. while the
+    # CTAs run GEMM tiles. ~14 minibatches per rank through a 2-slot ring: the slot-free waits run too.
+    Ts = [900 + 37 * r for r in range(R)]
+    if R > 1:
+        Ts[1] = 0
+    _run_case(kernel, R, 8 // R, Ts=Ts, mode=mode, comm_sms=0, ring_slots=2, minibatch=128, seed=70 + R, **SMALL)
+
+
+def test_kimi_k2_slice_in_sm_pull(kernel):
+    _run_case(kernel, 1, 8, 7168, 2048, 8, Ts=[4096], mode="uniform", comm_sms=0, ring_slots=3, minibatch=2048, seed=14)
+
+
 def test_stall_times_out_and_recovers(kernel):
     with pytest.raises(kernel.MokKernelError, match=r"timed out: rank 1 slot 1"):
         _stall(kernel)
@@ -133,7 +148,13 @@ def test_stall_of_the_first_slot_times_out_and_names_it(kernel):
         _stall(kernel, slot=0)
 
 
-def _stall(kernel, slot=1):
+@pytest.mark.parametrize("slot", [0, 1])
+def test_stall_with_in_sm_pull_names_rank_and_slot(kernel, slot):
+    with pytest.raises(kernel.MokKernelError, match=rf"timed out: rank 1 slot {slot}"):
+        _stall(kernel, slot=slot, comm_sms=0)
+
+
+def _stall(kernel, slot=1, comm_sms=2):
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
     gen.manual_seed(3)
@@ -147,7 +168,7 @@ def _stall(kernel, slot=1):
         [b for _, b in rt],
         w1,
         w2,
-        comm_sms=2,
+        comm_sms=comm_sms,
         ring_slots=2,
         minibatch_tokens=128,
         timeout_ms=300.0,
@@ -185,13 +206,16 @@ def test_input_validation(kernel):
         kernel.mok_forward_emulated(x, [idx[:, :1].contiguous()], [w], w1, w2, **kw)
     with pytest.raises(ValueError, match="comm_sms"):
         kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=10_000, ring_slots=2, minibatch_tokens=64)
+    with pytest.raises(ValueError, match=r"comm_sms must be an int >= 0"):
+        kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=-1, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match="ring_slots"):
         kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=2, ring_slots=0, minibatch_tokens=64)
     with pytest.raises(ValueError, match=r"\[2F, H\]"):
         kernel.mok_forward_emulated(x, [idx], [w], [[w1[0][0][:128], w1[0][1]]], w2, **kw)
 
 
-def test_repeatable(kernel):
+@pytest.mark.parametrize("comm", [2, 0])
+def test_repeatable(kernel, comm):
     """Same inputs twice -> bitwise identical results (no races in the schedule / ring)."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)
@@ -201,7 +225,7 @@ def test_repeatable(kernel):
     rt = [make_routing(700, K, R * L, "skewed", dev, gen) for _ in range(R)]
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     args = (x, [a for a, _ in rt], [b for _, b in rt], w1, w2)
-    o1, c1, _ = kernel.mok_forward_emulated(*args, comm_sms=2, ring_slots=2, minibatch_tokens=256)
-    o2, c2, _ = kernel.mok_forward_emulated(*args, comm_sms=2, ring_slots=2, minibatch_tokens=256)
+    o1, c1, _ = kernel.mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
+    o2, c2, _ = kernel.mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
     for r in range(R):
         assert torch.equal(o1[r], o2[r]) and torch.equal(c1[r], c2[r])

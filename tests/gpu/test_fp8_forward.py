@@ -45,6 +45,10 @@ CASES = [
     (4, 2, 256, 256, 2, [64, 0, 130, 257], "empty", 1, 2, 128),
     (8, 1, 128, 128, 1, [40] * 8, "one", 1, 2, 64),
     (1, 8, 7168, 2048, 8, [1024], "uniform", 16, 3, 2560),  # the Kimi-K2 per-GPU shape (8192 rows)
+    # comm_sms 0: the in-SM pull quantises on the producer warpgroups' spare warps
+    (1, 3, 512, 384, 4, [700], "skewed", 0, 2, 128),
+    (4, 2, 256, 256, 2, [64, 0, 130, 257], "empty", 0, 2, 64),
+    (1, 8, 7168, 2048, 8, [1024], "uniform", 0, 3, 2048),
 ]
 
 

@@ -25,12 +25,14 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("saved", [False, True], ids=["recompute", "saved_h"])
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1"])
-def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode):
+@pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
+def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
     from megatron_mok.kernel import KeptRows
 
     L, H, F, K = 3, 512, 384, 4
     Ts = [333 + 41 * r for r in range(R)]
-    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=192)
+    cfg = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=192)
+    bwd_cfg = dict(cfg, comm_sms=2)  # the backward keeps dedicated comm SMs
     x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, mode, seed=90 + R)
     rows = sum(Ts) * K
     dev = x[0].device
@@ -51,8 +53,10 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode):
         if saved:
             assert torch.equal(h_a[r].nan_to_num(7.0), h_b[r].nan_to_num(7.0)), f"owner {r} saved h differs"
 
-    ref = bk.mok_backward_emulated(go, x, idx, wts, comb_a, w1, w2, saved_h=h_a, return_buffers=True, **cfg)
-    got = bk.mok_backward_emulated(go, x, idx, wts, comb_b, w1, w2, saved_h=h_b, kept=keep, return_buffers=True, **cfg)
+    ref = bk.mok_backward_emulated(go, x, idx, wts, comb_a, w1, w2, saved_h=h_a, return_buffers=True, **bwd_cfg)
+    got = bk.mok_backward_emulated(
+        go, x, idx, wts, comb_b, w1, w2, saved_h=h_b, kept=keep, return_buffers=True, **bwd_cfg
+    )
     torch.cuda.synchronize()
     bufs_a = ref[4]
     for q in range(R):

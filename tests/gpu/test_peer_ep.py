@@ -63,11 +63,12 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp
 
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1", "one"])
-def test_rank_launches_match_emulated_and_truth(kernel, R, mode):
+@pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
+def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
     from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
 
     L, H, F, K, T = 4, 512, 256, 4, 700
-    cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256)  # ring smaller than the batch
+    cfg = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=256)  # ring smaller than the batch
     bufs = PeerBuffers.on_one_gpu(R, T + 100, H, K)
     streams = [torch.cuda.Stream() for _ in range(R)]
     for call in range(3):  # epochs 1..3: buffers and signal pads are reused without re-zeroing
