@@ -5,9 +5,11 @@ Each rank publishes its routing (top-k expert ids per token). The rank that owns
 Rows of one expert are ordered by (source rank, token, k); experts follow in local order.
 Nobody else needs to know these offsets: that is what lets dispatch *pull*.
 
-The layout is then cut into minibatches of ``minibatch_tokens`` consecutive rows; minibatch ``i``
-lives in ring slot ``i % ring_slots``. The CUDA kernel computes the identical layout on the GPU;
-this module is the definition both are tested against.
+The layout is then cut into minibatches of about ``minibatch_tokens`` consecutive rows; minibatch ``i``
+lives in ring slot ``i % ring_slots``. The forward kernel puts each boundary on the GEMM tile grid of
+the expert it falls in (``FORWARD_TILE_ROWS``), so no row block is split between two minibatches. The
+CUDA kernel computes the identical layout on the GPU; this module is the definition both are tested
+against.
 """
 
 from __future__ import annotations
@@ -100,15 +102,57 @@ def positions_by_rank(src_rank: torch.Tensor, world_size: int) -> list[torch.Ten
     return [torch.nonzero(src_rank == r, as_tuple=False).flatten() for r in range(world_size)]
 
 
+#: Row-block height of the forward kernel's GEMM tiles (csrc/mok/common.cuh kBM): its minibatch
+#: boundaries sit on each expert's grid of these blocks.
+FORWARD_TILE_ROWS = 128
+
+
 def num_minibatches(num_rows: int, minibatch_tokens: int) -> int:
     return -(-num_rows // minibatch_tokens)
 
 
-def minibatches(num_rows: int, minibatch_tokens: int, ring_slots: int) -> Iterator[tuple[int, int, int, int]]:
-    """(minibatch index, ring slot, first row, end row) for every minibatch of the layout."""
-    for i in range(num_minibatches(num_rows, minibatch_tokens)):
-        start = i * minibatch_tokens
-        yield i, i % ring_slots, start, min(start + minibatch_tokens, num_rows)
+def minibatch_start(
+    i: int, minibatch_tokens: int, expert_offsets: Sequence[int] | None = None, tile_rows: int = 1
+) -> int:
+    """First layout row of minibatch ``i``: ``i * minibatch_tokens``, rounded down to the ``tile_rows``
+    grid of the expert it falls in when ``expert_offsets`` ([L + 1], exclusive prefix sum) is given; the
+    number of rows for ``i`` past the last minibatch (csrc/mok/ring_buffer.cuh: mb_begin)."""
+    if expert_offsets is None:
+        raise ValueError("minibatch_start needs the expert offsets (their last entry is the row count)")
+    n = int(expert_offsets[-1])
+    p = i * minibatch_tokens
+    if p >= n:
+        return n
+    e = max(j for j in range(len(expert_offsets) - 1) if expert_offsets[j] <= p)
+    lo = int(expert_offsets[e])
+    return lo + (p - lo) // tile_rows * tile_rows
+
+
+def minibatches(
+    num_rows: int,
+    minibatch_tokens: int,
+    ring_slots: int,
+    expert_offsets: Sequence[int] | None = None,
+    tile_rows: int = 1,
+) -> Iterator[tuple[int, int, int, int]]:
+    """(minibatch index, ring slot, first row, end row) for every minibatch of the layout.
+
+    Without ``expert_offsets`` (or with ``tile_rows`` 1) the boundaries are the multiples of
+    ``minibatch_tokens``. With them and ``tile_rows`` > 1 (the forward kernel: ``FORWARD_TILE_ROWS``) each
+    boundary is rounded down to its expert's tile grid: as many minibatches, each under
+    ``minibatch_tokens + tile_rows`` rows, and only an expert's last row block is ever partial."""
+    nmb = num_minibatches(num_rows, minibatch_tokens)
+    if expert_offsets is None or tile_rows == 1:
+        for i in range(nmb):
+            start = i * minibatch_tokens
+            yield i, i % ring_slots, start, min(start + minibatch_tokens, num_rows)
+        return
+    offsets = [int(v) for v in expert_offsets]
+    if offsets[-1] != num_rows:
+        raise ValueError(f"expert offsets end at {offsets[-1]} rows, the layout has {num_rows}")
+    for i in range(nmb):
+        a = minibatch_start(i, minibatch_tokens, offsets, tile_rows)
+        yield i, i % ring_slots, a, minibatch_start(i + 1, minibatch_tokens, offsets, tile_rows)
 
 
 def topk_from_routing_map(

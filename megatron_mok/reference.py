@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .layout import (
+    FORWARD_TILE_ROWS,
     ExpertLayout,
     compute_layout,
     minibatches,
@@ -63,9 +64,13 @@ class RingBuffer:
     overwrite a slot whose combine has not finished -- the bug the kernel's flags guard against.
     """
 
-    def __init__(self, spec: RingSpec, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, spec: RingSpec, hidden: int, dtype: torch.dtype, device: torch.device, tile_rows: int = 1
+    ) -> None:
         self.spec = spec
-        self.rows = torch.empty(spec.ring_slots, spec.minibatch_tokens, hidden, dtype=dtype, device=device)
+        # tile-aligned minibatches (layout.minibatches) hold up to minibatch_tokens + tile_rows - 1 rows
+        rows = spec.minibatch_tokens + tile_rows - 1
+        self.rows = torch.empty(spec.ring_slots, rows, hidden, dtype=dtype, device=device)
         self.state = [SlotState.FREE] * spec.ring_slots
         self.filled_count = 0  # how many minibatches went through (ring cycles = this / slots)
 
@@ -234,11 +239,12 @@ def mok_forward(
     N = layout.num_rows
     mb, slots = plan.ring.minibatch_tokens, plan.ring.ring_slots
     rounds = tp.all_reduce_max(num_minibatches(N, mb))
-    ring = RingBuffer(plan.ring, H, dtype, x.device)
+    ring = RingBuffer(plan.ring, H, dtype, x.device, tile_rows=FORWARD_TILE_ROWS)
     combine_buf = torch.zeros(T * K, H, dtype=dtype, device=x.device)
     saved_x = torch.empty(N, H, dtype=dtype, device=x.device)
     saved_h = torch.empty(N, w1[0].shape[0] if w1 else 0, dtype=acc, device=x.device) if plan.save_fc1_output else None
-    batches = list(minibatches(N, mb, slots))
+    # the forward kernel's minibatches: boundaries on each expert's GEMM tile grid
+    batches = list(minibatches(N, mb, slots, layout.expert_offsets.tolist(), FORWARD_TILE_ROWS))
     for i in range(rounds):
         if i < len(batches):
             _, slot, lo, hi = batches[i]
@@ -295,8 +301,9 @@ def mok_backward(
     grad_buf = torch.zeros(T * K, H, dtype=acc, device=grad_out.device)
     N = layout.num_rows
     mb, slots = plan.ring.minibatch_tokens, plan.ring.ring_slots
-    batches = list(minibatches(N, mb, slots))
-    ring = RingBuffer(plan.ring, H, grad_out.dtype, grad_out.device)
+    # the forward's minibatches: a recomputed fc1 output then sees the forward's row groups (same bits)
+    batches = list(minibatches(N, mb, slots, layout.expert_offsets.tolist(), FORWARD_TILE_ROWS))
+    ring = RingBuffer(plan.ring, H, grad_out.dtype, grad_out.device, tile_rows=FORWARD_TILE_ROWS)
     for i in range(state["rounds"]):
         if i >= len(batches):
             _pull_rows(plan, layout, grad_out, 0, 0, grad_out.new_empty(0, H))

@@ -5,7 +5,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -86,3 +89,39 @@ def mcore_forward(experts, disp, x, routing_map, probs):
     out = disp.combine_preprocess(out)
     out = disp.token_combine(out)
     return disp.combine_postprocess(out)
+
+
+class GpuSampler:
+    """SM clock (MHz) and board power (W) from ``nvidia-smi -lms`` in the background, so a benchmark can
+    say whether two timings ran at the same clocks: under the H200's power limit a ratio of two kernels
+    is also a ratio of their clocks. ``window(t0, t1)`` averages the samples taken between two
+    ``time.monotonic()`` stamps; None without nvidia-smi."""
+
+    def __init__(self, period_ms: int = 20, device: int = 0) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+        cmd = ["nvidia-smi", "-i", str(device), "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+        try:
+            self._proc = subprocess.Popen([*cmd, f"-lms={period_ms}"], stdout=subprocess.PIPE, text=True)
+        except OSError:
+            self._proc = None
+            return
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                clk, pw = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.monotonic(), clk, pw))
+
+    def window(self, t0: float, t1: float) -> tuple[float, float] | None:
+        got = [(c, w) for t, c, w in list(self.samples) if t0 <= t <= t1]
+        if not got:
+            return None
+        return sum(c for c, _ in got) / len(got), sum(w for _, w in got) / len(got)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()

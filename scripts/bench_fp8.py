@@ -21,12 +21,13 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
-from bench_common import make_inputs, pipelined, timeit  # noqa: E402
+from bench_common import GpuSampler, make_inputs, pipelined, timeit  # noqa: E402
 
 SHAPES = {
     # name: (H, F, K, L, tokens)
@@ -126,12 +127,44 @@ def bench(name: str, args, results: list) -> None:
             best[kind] = lambda kwb=kwb, extra=extra: mk.mok_forward_emulated(
                 [x], [idx], [w], w1l, w2l, check=False, **kwb, **extra
             )
-        rd, rb, rf = [], [], []
+        if args.ab_comm is not None:  # the bf16 kernel at another SM split, in the same rounds (A/B)
+            kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
+            best["bf16_ab"] = lambda kwa=kwa: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kwa)
+        rd, rb, rf, ra = [], [], [], []
+        sampler = GpuSampler()
+        spans: dict[str, list[tuple[float, float]]] = {}
+
+        def timed(key, fn):
+            t0 = time.monotonic()
+            ms = fn()
+            spans.setdefault(key, []).append((t0, time.monotonic()))
+            return ms
+
         for _ in range(args.rounds):
-            rd.append(timeit(f1, args.iters, 2)[0] + timeit(f2, args.iters, 2)[0])
-            rb.append(timeit(best["bf16"], args.iters, 2)[0])
-            rf.append(timeit(best["fp8"], args.iters, 2)[0])
+            rd.append(timed("dense", lambda: timeit(f1, args.iters, 2)[0] + timeit(f2, args.iters, 2)[0]))
+            rb.append(timed("bf16", lambda: timeit(best["bf16"], args.iters, 2)[0]))
+            rf.append(timed("fp8", lambda: timeit(best["fp8"], args.iters, 2)[0]))
+            if "bf16_ab" in best:
+                ra.append(timed("bf16_ab", lambda: timeit(best["bf16_ab"], args.iters, 2)[0]))
         mk.check_last_error()
+        sampler.close()
+        for key, ws in spans.items():  # mean SM clock / power while each kind ran (nvidia-smi samples)
+            got = [v for v in (sampler.window(a, b) for a, b in ws) if v is not None]
+            if got:
+                clk = sum(c for c, _ in got) / len(got)
+                pw = sum(p for _, p in got) / len(got)
+                res.setdefault("clocks", {})[key] = {"sm_mhz": clk, "power_w": pw}
+                print(f"  {key:7s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W (mean of the rounds' samples)")
+        if ra:
+            ab = [a / b for b, a in zip(rb, ra)]  # > 1: the chosen split is faster
+            med_ab = sorted(ab)[len(ab) // 2]
+            res["ab_comm"] = {"comm_sms": args.ab_comm, "ms": ra, "speedup_of_best": med_ab}
+            print(
+                f"  A/B bf16 comm {res['bf16']['comm_sms']} vs comm {args.ab_comm} (minibatch "
+                f"{res['bf16']['minibatch']}): time at comm {args.ab_comm} / time at the chosen = {med_ab:.3f} (median of rounds, "
+                f"{min(ab):.3f}-{max(ab):.3f})",
+                flush=True,
+            )
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         frac = [d / b for d, b in zip(rd, rb)]
         spd = [b / f for b, f in zip(rb, rf)]
@@ -260,6 +293,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved dense / bf16 / fp8 rounds (0: skip)")
     ap.add_argument("--err-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--ab-comm", type=int, default=None, help="interleaved rounds: also the bf16 kernel at this comm_sms (A/B)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])

@@ -5,9 +5,11 @@ import torch
 from routings import ROUTINGS, make_topk
 
 from megatron_mok.layout import (
+    FORWARD_TILE_ROWS,
     RoutingError,
     compute_layout,
     minibatches,
+    num_minibatches,
     topk_from_routing_map,
     validate_routing,
 )
@@ -38,6 +40,32 @@ def test_layout_matches_brute_force(kind):
             segs = list(lay.segments(lo, hi))
             assert sum(b - a for _, a, b in segs) == hi - lo
             assert all((lay.local_expert[a:b] == e).all() for e, a, b in segs)
+
+
+def test_forward_minibatches_sit_on_the_experts_tile_grid():
+    torch.manual_seed(3)
+    for _ in range(20):
+        counts = torch.randint(0, 700, (int(torch.randint(1, 12, (1,))),))
+        offsets = [0] + torch.cumsum(counts, 0).tolist()
+        n = offsets[-1]
+        for mb in (64, 100, 128, 300, 512):
+            got = list(minibatches(n, mb, 3, offsets, FORWARD_TILE_ROWS))
+            assert len(got) == num_minibatches(n, mb)
+            assert [g[1] for g in got] == [i % 3 for i in range(len(got))]
+            ends = [g[2] for g in got] + [n]
+            assert ends[0] == 0 and all(a <= b for a, b in zip(ends, ends[1:])), ends
+            assert all(b - a < mb + FORWARD_TILE_ROWS for a, b in zip(ends, ends[1:]))
+            for i, a in enumerate(ends[1:-1], start=1):
+                e = max(j for j in range(len(offsets) - 1) if offsets[j] <= i * mb)
+                # on expert e's tile grid, no later than i * mb, less than one tile before it
+                assert (a - offsets[e]) % FORWARD_TILE_ROWS == 0 and i * mb - FORWARD_TILE_ROWS < a <= i * mb
+            # every expert's row blocks: only the last may be partial
+            for e in range(len(offsets) - 1):
+                cuts = sorted({offsets[e], offsets[e + 1]} | {a for a in ends if offsets[e] < a < offsets[e + 1]})
+                assert all((a - offsets[e]) % FORWARD_TILE_ROWS == 0 for a in cuts[:-1])
+    assert list(minibatches(0, 64, 2, [0, 0], FORWARD_TILE_ROWS)) == []
+    with pytest.raises(ValueError, match="expert offsets end at 5"):
+        list(minibatches(6, 4, 2, [0, 5], FORWARD_TILE_ROWS))
 
 
 def test_minibatches_cycle_the_ring():

@@ -101,6 +101,8 @@ struct Params {
   int peer_sync;                      // 1: one launch per rank, ranks meet through signal pads (.sys)
   unsigned epoch;                     // call number (>= 1) for the signal pads
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
+  int slot_rows;                      // forward: rows a ring slot holds (minibatch + kBM - 1; kept rows: minibatch)
+  int kept_layout;                    // forward: the ring is the caller's kept rows in layout order (KeptRows)
   int mt_max, nt1, nt2, tickets_per_mb;
   int mb_cap;                         // max minibatches per rank (counter array size)
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
@@ -114,8 +116,8 @@ struct Params {
   const RankTable* ranks;             // [R]
   const CUtensorMap* tmaps;           // see tmap_* helpers
   // Per-partition workspace ([nparts] leading dim, indexed by part(P, q) = q - rank0):
-  __nv_bfloat16* ring;                // [nparts][S][M][H]  dispatch ring buffer (x rows in layout order)
-  __nv_bfloat16* act;                 // [nparts][S][M][F]  SwiGLU activations per slot
+  __nv_bfloat16* ring;                // [nparts][S][slot_rows][H]  dispatch ring buffer (x rows in layout order)
+  __nv_bfloat16* act;                 // [nparts][S][slot_rows][F]  SwiGLU activations per slot
   int2* layout;                       // [nparts][layout_cap] (src rank, src entry t*K+k)
   int* local_rank;                    // [total_entries]
   int* chunk_counts;                  // [E][num_chunks] (zeroed per launch)

@@ -72,8 +72,14 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
   const int N = sm.off[L];
   const int nmb = num_minibatches(N, M);
-  const unsigned total = (unsigned)nmb * (unsigned)P.tickets_per_mb;
-  const int t1 = P.mt_max * P.nt1;
+  // Dense tickets: minibatch mb owns cnt(mb) * (nt1 + nt2) consecutive tickets, cnt = its row blocks
+  // (count_mtiles), not a worst-case mt_max: every ticket is a tile, none is drawn only to be skipped (an
+  // atomic round trip each; ~30 of 48 row-block slots per minibatch of the DeepSeek-V3 slice were empty).
+  // The tickets one producer draws only grow, so it walks a cursor over the minibatches.
+  const unsigned per_mt = (unsigned)(P.nt1 + P.nt2);
+  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, L, M, 1);
+  int cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
+  unsigned cur_base = 0;
   int st = 0;
   uint32_t ph = 0;
   int ii = 0;
@@ -83,9 +89,17 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
     ti.kind = 0;
     while (true) {
       const unsigned tk = atomicAdd(ctr_ticket(P, q), 1u);
-      if (tk >= total) break;
-      const int mb = (int)(tk / (unsigned)P.tickets_per_mb);
-      int u = (int)(tk % (unsigned)P.tickets_per_mb);
+      while (cur_mb < nmb && tk >= cur_base + (unsigned)cur_cnt * per_mt) {
+        cur_base += (unsigned)cur_cnt * per_mt;
+        ++cur_mb;
+        cur_a = cur_b;
+        cur_b = mb_begin(sm.off, L, M, cur_mb + 1);
+        cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
+      }
+      if (cur_mb >= nmb) break;  // every tile handed out
+      const int mb = cur_mb, cnt = cur_cnt;
+      int u = (int)(tk - cur_base);
+      const int t1 = cnt * P.nt1;
       const int kind = u < t1 ? 1 : 2;
       if (kind == 2) u -= t1;
       const int ntc = kind == 1 ? P.nt1 : P.nt2;
@@ -93,17 +107,20 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       if (P.raster == 0) {         // row-block major
         mt = u / ntc; nt = u % ntc;
       } else if (P.raster == 1) {  // n-tile major
-        mt = u % P.mt_max; nt = u / P.mt_max;
+        mt = u % cnt; nt = u / cnt;
       } else {                     // bands of `raster` row blocks, n-tile major inside a band (L2 reuse)
         const int GM = P.raster;
         const int b = u / (GM * ntc), idx = u % (GM * ntc);
-        const int gm = min(GM, P.mt_max - b * GM);
+        const int gm = min(GM, cnt - b * GM);
         mt = b * GM + idx % gm; nt = idx / gm;
       }
-      const int a = mb * M, b = min(a + M, N);
+      const int a = cur_a, b = cur_b;
       const int s = mb % S, j = mb / S;
       int e = 0, row0 = 0, rows = 0;
-      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) continue;  // empty ticket
+      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) {  // cannot happen: mt < cnt by construction
+        record_error(P, kErrInternal, q, s, kPhasePipeline, cnt, mt, 5);
+        break;
+      }
       bool ok;
       if (kind == 1)  // from the second round on a slot's dispatch waits for its previous combine: a stall
                       // upstream is reported by that round's own waiters first (secondary, slack 2)
@@ -124,7 +141,9 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
     if (ti.kind == 0) return;
 
     const int g = q * L + ti.expert;
-    const int arow = ti.slot * M + (ti.row0 - ti.mb_start);
+    // A rows in the partition's ring / act tensor maps ([S * slot_rows] rows per partition)
+    const int arow = (int)(mb_slot_row0(P, q, ti.mb, ti.mb_start) - (long long)part(P, q) * S * P.slot_rows) +
+                     (ti.row0 - ti.mb_start);
     constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
     const int nk = ti.kind == 1 ? ceil_div(P.H, bk) : ceil_div(P.F, bk);
     const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
@@ -172,7 +191,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
-    const long long srow = slot_first_row(P, q, ti.slot) + (ti.row0 - ti.mb_start);
+    const long long srow = mb_slot_row0(P, q, ti.mb, ti.mb_start) + (ti.row0 - ti.mb_start);
     if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;

@@ -210,6 +210,10 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
 // Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
 int launch_parts(const MokLaunchArgs* a) { return a->rank >= 0 ? 1 : a->R; }
 
+// Rows of one ring slot: the largest minibatch (ring_buffer.cuh: mb_begin); with kept rows the ring is
+// the caller's layout-order buffer, whose "slots" are minibatch-sized pieces of it.
+int slot_rows(const MokLaunchArgs* a) { return a->keep_x ? a->minibatch : a->minibatch + mok::kBM - 1; }
+
 WsLayout plan(const MokLaunchArgs* a) {
   WsLayout w{};
   w.E = a->R * a->L;
@@ -224,9 +228,11 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.num_chunks = chunks;
   w.layout_cap = entries > 0 ? entries : 1;
   w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
-  w.mt_max = (a->minibatch + mok::kBM - 1) / mok::kBM + std::min(a->L, a->minibatch) - 1;
+  // a minibatch holds < minibatch + kBM rows (its boundaries sit on its experts' tile grids, ring_buffer.cuh)
+  const int mb_rows = a->minibatch + mok::kBM - 1;
+  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(a->L, mb_rows) - 1;
   // kept rows: the caller's buffers are the ring (one slot per minibatch), none in the workspace
-  const size_t S = a->keep_x ? 0 : a->ring_slots, M = a->minibatch;
+  const size_t S = a->keep_x ? 0 : a->ring_slots, M = slot_rows(a);
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
   w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
@@ -326,7 +332,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   uint8_t* host = stg->host;
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
-  const int L = a->L, H = a->H, F = a->F, M = a->minibatch;
+  const int L = a->L, H = a->H, F = a->F, M = a->minibatch, SR = slot_rows(a);
   const int S = a->keep_x ? (int)(a->keep_rows / M) : a->ring_slots;  // kept rows: a slot per minibatch
   const bool keep = a->keep_x != 0;
   if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
@@ -363,22 +369,22 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, what)) return 1;
   }
   for (int p = 0; a->fp8 && p < np; ++p) {
-    const uint8_t* ring = wsp + ws.ring + (size_t)p * S * M * H;
-    const uint8_t* act = wsp + ws.act + (size_t)p * S * M * F;
-    if (!encode_2d_u8(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBKf8, mok::kBM, errbuf,
+    const uint8_t* ring = wsp + ws.ring + (size_t)p * S * SR * H;
+    const uint8_t* act = wsp + ws.act + (size_t)p * S * SR * F;
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * SR, H, mok::kBKf8, mok::kBM, errbuf,
                       errlen, "fp8 ring"))
       return 1;
-    if (!encode_2d_u8(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * M, F, mok::kBKf8, mok::kBM, errbuf,
-                      errlen, "fp8 act"))
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * SR, F, mok::kBKf8, mok::kBM,
+                      errbuf, errlen, "fp8 act"))
       return 1;
   }
   for (int p = 0; !a->fp8 && p < np; ++p) {
-    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring)) + (size_t)p * S * M * H;
-    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act)) + (size_t)p * S * M * F;
-    if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * M, H, mok::kBK, mok::kBM, errbuf,
+    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring)) + (size_t)p * S * SR * H;
+    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act)) + (size_t)p * S * SR * F;
+    if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * SR, H, mok::kBK, mok::kBM, errbuf,
                    errlen, "ring"))
       return 1;
-    if (!encode_2d(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * M, F, mok::kBK, mok::kBM, errbuf,
+    if (!encode_2d(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * SR, F, mok::kBK, mok::kBM, errbuf,
                    errlen, "act"))
       return 1;
   }
@@ -405,6 +411,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.R = a->R; P.L = L; P.E = ws.E; P.H = H; P.F = F; P.K = a->K;
   P.rank0 = rank0; P.nparts = np; P.peer_sync = a->rank >= 0 ? 1 : 0; P.epoch = a->epoch;
   P.comm_sms = a->comm_sms; P.ctas_per_rank = cpr; P.ring_slots = S; P.minibatch = M;
+  P.slot_rows = SR; P.kept_layout = keep ? 1 : 0;
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
   {

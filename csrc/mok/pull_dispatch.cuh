@@ -55,12 +55,12 @@ constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3
 // Warps gw, gw + stride, ... of a CTA pull layout rows [a, b) of minibatch i into its ring slot.
 template <bool kFp8, int U = kPullUnroll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
-  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
-  const int M = P.minibatch, S = P.ring_slots, H = P.H;
+  const int* off = P.expert_off + part(P, q) * (P.L + 1);
+  const int H = P.H;
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
-  const int a = i * M, b = min(a + M, N);
-  const long long slot_row0 = slot_first_row(P, q, i % S);
+  const int a = mb_begin(off, P.L, P.minibatch, i), b = mb_begin(off, P.L, P.minibatch, i + 1);
+  const long long slot_row0 = mb_slot_row0(P, q, i, a);
   for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
     const int2 src = layout[row];
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
@@ -85,9 +85,8 @@ __device__ __forceinline__ bool wait_slot_free(const Params& P, int q, int i) {
   const int S = P.ring_slots, M = P.minibatch;
   if (i < S) return true;
   const int* off = P.expert_off + part(P, q) * (P.L + 1);
-  const int N = off[P.L];
-  const int pa = (i - S) * M;
-  const unsigned need = (unsigned)(P.nt2 * count_mtiles(off, P.L, pa, min(pa + M, N)));
+  const unsigned need =
+      (unsigned)(P.nt2 * count_mtiles(off, P.L, mb_begin(off, P.L, M, i - S), mb_begin(off, P.L, M, i - S + 1)));
   return wait_counter_geq(P, ctr_mb_done(P, q, i - S), need, q, i % S, kPhaseSlotFree);
 }
 
