@@ -23,7 +23,8 @@ from .timing import cuda_times_ms
 
 def candidate_grid(cfg: MokConfig, comm_sms: list[int] | None, minibatches: list[int] | None, slots: list[int] | None):
     k = cfg.kernel
-    comm = comm_sms or [4, 8, 12, 16, 20, 24]
+    # 0: the in-SM pull (no comm SM); a candidate only where the backward has its own comm SMs set
+    comm = comm_sms or ([0] if k.backward_comm_sms else []) + [4, 8, 12, 16, 20, 24]
     ring = slots or [2, 3, 4]
     for c in comm:
         base = min_minibatch_tokens(

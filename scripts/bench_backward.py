@@ -328,9 +328,12 @@ def main():
                         hbuf,
                         kept,
                     )
-                    if comm == args.kept_comm_sms[0]:  # the layer's fwd + bwd: forward at the config's ring
-                        fwk = dict(comm_sms=8, ring_slots=4, minibatch_tokens=2048)
-                        kept_fb = fk.KeptRows.allocate(1, rows, H, F, 2048, "cuda")
+                    if comm == args.kept_comm_sms[0]:  # the layer's fwd + bwd: forward at the config's split
+                        from megatron_mok.config import load_config
+
+                        kc = load_config("kimi-k2").kernel
+                        fwk = dict(comm_sms=kc.comm_sms, ring_slots=kc.ring_slots, minibatch_tokens=kc.minibatch_tokens)
+                        kept_fb = fk.KeptRows.allocate(1, rows, H, F, kc.minibatch_tokens, "cuda")
 
                         def mok_fwd_bwd(kw=kw, kept_fb=kept_fb, fwk=fwk):
                             _, c, _ = fk.mok_forward_emulated(

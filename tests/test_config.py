@@ -206,7 +206,7 @@ def test_backward_comm_sms_default_and_explicit():
     assert parse_config(_with("kernel", comm_sms=100)).kernel.bwd_comm_sms == 131  # capped: one SM computes
     assert load_config("kimi-k2").kernel.bwd_comm_sms == 8  # kept x / act rows: the backward pulls only dY
     f8 = load_config("kimi-k2-fp8").kernel
-    assert (f8.dtype, f8.comm_sms, f8.minibatch_tokens, f8.bwd_comm_sms) == ("fp8", 12, 4096, 20)
+    assert (f8.dtype, f8.comm_sms, f8.minibatch_tokens, f8.bwd_comm_sms) == ("fp8", 0, 4096, 20)
 
 
 def test_backward_minibatch_default_and_explicit():

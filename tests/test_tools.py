@@ -22,7 +22,9 @@ def test_tuner_candidates_respect_the_two_wave_rule():
     for c, mb, s in cands:
         assert mb >= min_minibatch_tokens(2048, 132 - c) and s in (2, 4)
     tuned = cfg.replace_kernel(comm_sms=8, ring_slots=3)
-    assert (tuned.kernel.comm_sms, tuned.kernel.ring_slots, tuned.kernel.minibatch_tokens) == (8, 3, 2048)
+    assert (tuned.kernel.comm_sms, tuned.kernel.ring_slots, tuned.kernel.minibatch_tokens) == (8, 3, 4096)
+    # the in-SM pull (comm 0) is a default candidate when the config sets the backward's own comm SMs
+    assert {c for c, _, _ in candidate_grid(cfg, None, None, None)} == {0, 4, 8, 12, 16, 20, 24}
 
 
 def test_tuner_without_gpu_is_a_clear_error():
