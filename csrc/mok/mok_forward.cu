@@ -17,10 +17,12 @@
 //   mok_device_info(dev, &num_sms, &major, &minor)
 //   mok_fp8_gemm_workspace_bytes / mok_fp8_gemm_launch: the FP8 block-scaled grouped GEMM unit (fp8_gemm.cuh)
 //   mok_fp8_quantize_weight: e4m3 + 128 x 128 block scales of a bf16 weight (fp8_weight_quant.cuh)
+//   mok_mxfp8_quantize_rows: MXFP8 (e4m3 + UE8M0 per 1 x 32) rows, the Blackwell recipe's quantiser (mxfp8_quant.cuh)
 #include "common.cuh"
 #include "expert_ffn.cuh"
 #include "fp8_gemm.cuh"
 #include "fp8_weight_quant.cuh"
+#include "mxfp8_quant.cuh"
 #include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
 #include "push_combine.cuh"
@@ -650,6 +652,42 @@ int mok_fp8_quantize_weight(unsigned long long w, long long ld, int N, int K, un
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   mok::mok_fp8_quantize_weight_kernel<<<dim3((unsigned)(K / 128), (unsigned)(N / 128)), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(w), ld, K, reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(s));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// MXFP8 rows (mxfp8_quant.cuh): the Blackwell recipe's quantiser as a unit, runnable on any arch
+// =================================================================================================
+extern "C" {
+
+// sf_layout: 0 row-major [M][H/32] bytes; 1 the sm_100 MMA's scale-factor layout (sf_bytes: its size,
+// rows padded to 128 and scales per row to 4 -- megatron_mok/mxfp8.py sm100_sf_bytes).
+int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, unsigned long long q,
+                            unsigned long long sf, long long sf_bytes, int sf_layout, int device, void* stream_ptr,
+                            char* errbuf, int errlen) {
+  if (M < 0 || H < 32 || H % 32)
+    return write_err(errbuf, errlen, "mxfp8 rows [%d, %d]: H must be a positive multiple of 32", M, H);
+  if (ld < H || ld % 8) return write_err(errbuf, errlen, "mxfp8 rows: row stride %lld must be >= H and a multiple of 8", ld);
+  if (sf_layout != mok::kMxScalesRowMajor && sf_layout != mok::kMxScalesSm100)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale layout %d is not 0 (row-major) or 1 (sm_100)", sf_layout);
+  const long long nkb = H / 32;
+  const long long need = sf_layout == mok::kMxScalesRowMajor ? (long long)M * nkb
+                                                             : (long long)((M + 127) / 128) * ((nkb + 3) / 4) * 512;
+  if (sf_bytes < need)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale buffer of %lld bytes, the layout needs %lld", sf_bytes, need);
+  if (M == 0) return 0;
+  if (!x || !q || !sf || x % 16 || q % 8)
+    return write_err(errbuf, errlen, "mxfp8 rows: null or misaligned pointer (x 16-byte, q 8-byte)");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  const int blocks = (int)std::min<long long>(((long long)M + 7) / 8, 65535);
+  mok::mok_mxfp8_quantize_rows_kernel<<<blocks, 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x), ld, M, H, reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(sf),
+      sf_layout);
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
