@@ -137,6 +137,46 @@ def build_library(verbose: bool = False, force: bool = False) -> Path:
     return lib
 
 
+# ---- Blackwell (sm_100a) units: compiled here, runnable only on a Blackwell GPU ----------------------
+SM100_LIB_NAME = "libmok_sm100"
+SM100_SOURCE = "sm100/mxfp8_grouped_gemm.cu"
+
+
+def sm100_flags(include: Path, src: Path) -> list[str]:
+    """nvcc flags of the sm_100a units: the sm_90a flags with the Blackwell target and CUTLASS's host
+    utilities (``tools/util/include``, shipped in the same wheel)."""
+    flags = [f for f in nvcc_flags(include, src) if not f.startswith("-gencode=")]
+    util = include.parent / "tools" / "util" / "include"
+    return ["-gencode=arch=compute_100a,code=sm_100a", *flags, f"-I{util}"]
+
+
+def compile_sm100(output: Path | None = None, verbose: bool = False) -> Path:
+    """Compile the MXFP8 grouped expert GEMM unit for sm_100a into a cubin (no GPU needed): the
+    Blackwell path's compile check. Returns the cubin path."""
+    nvcc, inc, src = _check_tools()
+    out = Path(output) if output else Path(tempfile.mkdtemp(prefix="mok_sm100_")) / f"{SM100_LIB_NAME}.cubin"
+    _run([nvcc, *sm100_flags(inc, src), "-cubin", "-Xptxas", "-v", "-o", str(out), str(src / SM100_SOURCE)], verbose)
+    return out
+
+
+def build_sm100_library(verbose: bool = False, force: bool = False) -> Path:
+    """Build (or reuse from cache) the sm_100a shared library of the Blackwell units."""
+    nvcc, inc, src = _check_tools()
+    flags = sm100_flags(inc, src) + ["-shared"]
+    h = hashlib.sha256((src / SM100_SOURCE).read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(_nvcc_version(nvcc).encode())
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"{SM100_LIB_NAME}-{h.hexdigest()[:20]}.so"
+    if lib.exists() and not force:
+        return lib
+    tmp = out_dir / f".{lib.name}-{os.getpid()}"
+    _run([nvcc, *flags, "-o", str(tmp), str(src / SM100_SOURCE)], verbose)
+    os.replace(tmp, lib)
+    return lib
+
+
 def _run(cmd: list[str], verbose: bool) -> str:
     if verbose:
         print("[mok build]", " ".join(cmd), flush=True)
