@@ -15,6 +15,7 @@ count is reduced to ``--experts-per-rank * EP`` so the layer fits one GPU (per-e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -107,19 +108,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "num_moe_experts": experts,
                 "moe_router_topk": m.moe_router_topk,
             },
-            "kernel": {
-                k: getattr(cfg.kernel, k)
-                for k in (
-                    "dtype",
-                    "arch",
-                    "num_sms",
-                    "comm_sms",
-                    "ring_slots",
-                    "minibatch_tokens",
-                    "minibatch_align",
-                    "timeout_ms",
-                )
-            },
+            # every kernel setting of the config (backward split, kept rows, ...): only the expert count changes
+            "kernel": dataclasses.asdict(cfg.kernel),
         },
         cfg.source,
     )
