@@ -43,6 +43,10 @@ if [ "${MOK_SUITE_TIMELINE:-1}" != "0" ]; then
   timeout 120 python3 scripts/timeline.py --config kimi-k2 --out "$OUT/timeline" 2>&1 | tee "$OUT/timeline.log"
   timeout 120 python3 scripts/timeline.py --config kimi-k2 --pass backward --out "$OUT/timeline-backward" 2>&1 \
     | tee "$OUT/timeline-backward.log"
+  timeout 120 python3 scripts/timeline.py --config kimi-k2-fp8 --dtype fp8 --out "$OUT/timeline-fp8" 2>&1 \
+    | tee "$OUT/timeline-fp8.log"
+  timeout 120 python3 scripts/timeline.py --config deepseek-v3 --ep-of-config 8 --out "$OUT/timeline-dsv3" 2>&1 \
+    | tee "$OUT/timeline-dsv3.log"
 fi
 if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
   echo "== bench"
@@ -50,6 +54,8 @@ if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
 fi
 if [ "${MOK_SUITE_FP8:-1}" != "0" ]; then
   echo "== fp8 bench"
-  timeout ${MOK_BENCH_TIMEOUT:-240} python3 scripts/bench_fp8.py --backward --comm-sms 8 --minibatch 4096 --sweep-comm 8,12 --sweep-mb 4096 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
+  # the configs' split (comm 0: in-SM pull, minibatch 4096), an A/B against 8 comm SMs in the interleaved rounds
+  timeout ${MOK_BENCH_TIMEOUT:-300} python3 scripts/bench_fp8.py --backward --comm-sms 0 --minibatch 4096 --ring-slots 4 \
+    --sweep-comm 0,8 --sweep-mb 4096 --rounds 9 --ab-comm 8 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
 fi
 exit $rc
