@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     __syncthreads();
     if (!s_flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) combine_reduce(P, q, local * kWarps + warp, nworkers);
+    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
     if (P.timeline) {
       __syncthreads();
       if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) combine_reduce(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    if (!MOK_DBG(1)) combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
     if (P.timeline) {
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());

@@ -52,9 +52,11 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
 }
 
 // worker: warp index among this rank's participating warps; nworkers: their number.
-// Each lane sums two 8-column vectors (v, v + 32) at a time over 8 k at a time: 16 loads of 16 B in
-// flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so bytes in flight set its
-// speed; one vector per lane left it at about half the device's copy rate.
+// Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over 8 k at a time: 8 * VP loads of 16 B
+// in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so bytes in flight set
+// its speed (one vector per lane left it at about half the device's copy rate): the consumer warps,
+// with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168) VP = 2.
+template <int VP>
 __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
@@ -64,28 +66,29 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
     const float* w = rt.w + (long long)t * K;
     const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
     uint4* out = reinterpret_cast<uint4*>(rt.out + (long long)t * H);
-    for (int v0 = lane; v0 < nv; v0 += 64) {
-      const int v1 = v0 + 32;
-      const bool has1 = v1 < nv;
-      float acc[2][8];
+    for (int v0 = lane; v0 < nv; v0 += 32 * VP) {
+      float acc[VP][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[0][i] = acc[1][i] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows x 2 vectors in flight, then accumulate in k order
-        uint4 d[2][8];
+      for (int h = 0; h < VP; ++h)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows x VP vectors in flight, then accumulate in k order
+        uint4 d[VP][8];
         float wk[8];
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           const int k = k0 + u;
           const bool ok = k < K && idx[k] >= 0;
           wk[u] = ok ? w[k] : 0.f;
-          d[0][u] = ok ? cb[(long long)k * nv + v0] : make_uint4(0, 0, 0, 0);
-          d[1][u] = ok && has1 ? cb[(long long)k * nv + v1] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int h = 0; h < VP; ++h)
+            d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nv + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {
           if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
+          for (int h = 0; h < VP; ++h) {
             const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[h][u]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -97,13 +100,13 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
         }
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 1 && !has1) break;
+      for (int h = 0; h < VP; ++h) {
+        if (v0 + 32 * h >= nv) break;
         uint4 o;
         __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
         for (int i = 0; i < 4; ++i) po[i] = __floats2bfloat162_rn(acc[h][2 * i], acc[h][2 * i + 1]);
-        out[h ? v1 : v0] = o;
+        out[v0 + 32 * h] = o;
       }
     }
   }
