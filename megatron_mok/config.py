@@ -132,8 +132,9 @@ class MokConfig:
 
     @property
     def ring_tokens(self) -> int:
-        """Rows the ring buffer holds at once (per rank)."""
-        return self.kernel.ring_slots * self.kernel.minibatch_tokens
+        """Rows the forward's ring buffer holds at once (per rank): a slot holds minibatch_tokens +
+        gemm_tile_m - 1 rows, as minibatch boundaries sit on each expert's tile grid (layout.minibatches)."""
+        return self.kernel.ring_slots * (self.kernel.minibatch_tokens + self.kernel.gemm_tile_m - 1)
 
     def ring_bytes(self) -> int:
         """Bytes of the dispatch ring buffer per rank (activations only, no scales)."""

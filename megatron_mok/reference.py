@@ -301,7 +301,8 @@ def mok_backward(
     grad_buf = torch.zeros(T * K, H, dtype=acc, device=grad_out.device)
     N = layout.num_rows
     mb, slots = plan.ring.minibatch_tokens, plan.ring.ring_slots
-    # the forward's minibatches: a recomputed fc1 output then sees the forward's row groups (same bits)
+    # the forward's minibatches (the backward kernel keeps i * M boundaries; no result depends on the cut
+    # beyond fp32 rounding), so a recomputed fc1 output sees the forward's row groups: the same bits
     batches = list(minibatches(N, mb, slots, layout.expert_offsets.tolist(), FORWARD_TILE_ROWS))
     ring = RingBuffer(plan.ring, H, grad_out.dtype, grad_out.device, tile_rows=FORWARD_TILE_ROWS)
     for i in range(state["rounds"]):

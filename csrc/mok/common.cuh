@@ -103,7 +103,7 @@ struct Params {
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
   int slot_rows;                      // forward: rows a ring slot holds (minibatch + kBM - 1; kept rows: minibatch)
   int kept_layout;                    // forward: the ring is the caller's kept rows in layout order (KeptRows)
-  int mt_max, nt1, nt2, tickets_per_mb;
+  int mt_max, nt1, nt2, tickets_per_mb;  // tickets_per_mb: the backward's (the forward's are dense)
   int mb_cap;                         // max minibatches per rank (counter array size)
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
@@ -132,8 +132,8 @@ struct Params {
   // above, reinterpreted), with one fp32 scale per 1 x 128 block of each row; the expert weights (tensor
   // maps) are e4m3 with one fp32 scale per 128 x 128 block. Null in the bf16 kernel.
   const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
-  float* ring_scale;                  // [nparts][S][M][H / 128]
-  float* act_scale;                   // [nparts][S][M][F / 128]
+  float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
+  float* act_scale;                   // [nparts][S][slot_rows][F / 128]
 };
 
 // Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.
@@ -144,7 +144,7 @@ __host__ __device__ __forceinline__ bool in_launch(const Params& P, int q) {
 
 // Tensor map table, only for the experts of this launch's ranks: local expert id
 // g' = g - rank0 * L: 3*g'+0 gate [F,H], 3*g'+1 up [F,H], 3*g'+2 w2 [H,F];
-// then per partition p: 3*nparts*L + 2*p + 0 ring [S*M, H], + 1 act [S*M, F].
+// then per partition p: 3*nparts*L + 2*p + 0 ring [S*slot_rows, H], + 1 act [S*slot_rows, F].
 __device__ __forceinline__ const CUtensorMap* tmap_expert(const Params& P, int g) {
   return P.tmaps + 3 * (g - P.rank0 * P.L);
 }

@@ -156,8 +156,8 @@ struct MokLaunchArgs {
   const unsigned long long* w2s;
   // Optional (bf16 only): keep the expert input and SwiGLU output rows for the backward. keep_x
   // [parts][keep_rows][H] and keep_act [parts][keep_rows][F] bf16 (parts = the launch's ranks,
-  // contiguous) replace the ring: minibatch i sits at rows [i*M, (i+1)*M) of its owner's part, i.e. in
-  // layout order, so the backward reads them instead of pulling x again and recomputing act (the rows
+  // contiguous) replace the ring: minibatch i sits at its own layout rows [mb_begin(i), mb_begin(i+1))
+  // of its owner's part, so the backward reads them instead of pulling x again and recomputing act (the rows
   // Megatron's grouped GEMM keeps too). keep_rows: a multiple of the minibatch, the owner capacity.
   unsigned long long keep_x;
   unsigned long long keep_act;
@@ -424,7 +424,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
-  P.tickets_per_mb = P.mt_max * (P.nt1 + P.nt2);
   P.num_chunks = ws.num_chunks; P.total_entries = ws.total_entries;
   P.stall_rank = a->stall_rank; P.stall_slot = a->stall_slot;
   P.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);

@@ -11,9 +11,10 @@
 //   mb_done[q][i]    : +1 per finished fc2 tile of minibatch i (its combine pushes are written).
 //                      Slot s is free for minibatch i+S once mb_done[i] == nt2 * (row blocks of i)
 //                      -> the dispatch of minibatch i+S refills it (ring smaller than the batch).
-// Work tickets (per rank, handed out by an atomic counter in order):
-//   ticket = i * tickets_per_mb + u,  u < mt_max*nt1 -> fc1 tile (mt = u / nt1, nt = u % nt1)
-//                                     else           -> fc2 tile (mt, nt over nt2)
+// Work tickets (per rank, handed out by an atomic counter in order; dense: expert_ffn.cuh ffn_producer):
+//   minibatch i owns cnt_i * (nt1 + nt2) consecutive tickets, cnt_i = its row blocks (count_mtiles);
+//   u = ticket - first ticket of i:  u < cnt_i*nt1 -> fc1 tile (raster 0: mt = u / nt1, nt = u % nt1)
+//                                    else          -> fc2 tile (mt, nt over nt2)
 // Row blocks ("m-tiles") of a minibatch: each expert segment inside the minibatch split into
 // kBM-row tiles, in expert order; mt_max = ceil(slot_rows / kBM) + min(L, slot_rows) - 1 bounds their number.
 // Only an expert's last row block can be partial: a boundary never cuts a tile in two (with fixed

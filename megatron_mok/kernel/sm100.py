@@ -27,7 +27,7 @@ def _load():
         lib = ctypes.CDLL(str(build_sm100_library()))
         lib.mok_sm100_mxfp8_gemm_workspace_bytes.restype = ctypes.c_longlong
         lib.mok_sm100_mxfp8_gemm_workspace_bytes.argtypes = [
-            ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int,
         ]  # fmt: skip
         lib.mok_sm100_mxfp8_grouped_gemm.restype = ctypes.c_int
         lib.mok_sm100_mxfp8_grouped_gemm.argtypes = [
@@ -71,14 +71,14 @@ def mxfp8_grouped_gemm(
                 raise ValueError(f"mxfp8_grouped_gemm: {name}[{g}] must hold {need} uint8 scales on {dev}")
     lib = _load()
     M = (ctypes.c_int * G)(*[int(t.shape[0]) for t in a])
-    ws_bytes = lib.mok_sm100_mxfp8_gemm_workspace_bytes(G, M, N, K)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    ws_bytes = lib.mok_sm100_mxfp8_gemm_workspace_bytes(G, M, N, K, index)
     if ws_bytes < 0:
         raise ValueError(f"mxfp8_grouped_gemm: unsupported shapes (N={N}, K={K}: K a multiple of 128, N of 16)")
     out = [torch.empty((int(t.shape[0]), N), dtype=torch.bfloat16, device=dev) for t in a]
     ws = torch.empty(max(int(ws_bytes), 1), dtype=torch.uint8, device=dev)
     ptrs = lambda ts: (ctypes.c_void_p * G)(*[t.data_ptr() for t in ts])  # noqa: E731
     ebuf = ctypes.create_string_buffer(512)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     with torch.cuda.device(dev):
         rc = lib.mok_sm100_mxfp8_grouped_gemm(
             G, M, N, K, ptrs(a), ptrs(b), ptrs(sfa), ptrs(sfb), ptrs(out), N, ws.data_ptr(), ws.numel(), index,

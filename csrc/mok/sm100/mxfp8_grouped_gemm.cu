@@ -11,12 +11,13 @@
 // writes (kMxScalesSm100), verified against CUTLASS's layout on CPU.
 //
 // Host API (extern "C", no torch):
-//   mok_sm100_mxfp8_gemm_workspace_bytes(G, M[], N, K)          -> bytes of device workspace, or -1
+//   mok_sm100_mxfp8_gemm_workspace_bytes(G, M[], N, K, device)  -> bytes of device workspace, or -1
 //   mok_sm100_mxfp8_grouped_gemm(G, M[], N, K, A[], B[], SFA[], SFB[], D[], ldd, workspace, bytes,
 //                                device, stream, errbuf, errlen) -> 0 on success
 // A[g]: [M_g, K] e4m3 row-major; B[g]: [N, K] e4m3 row-major (the expert weight); SFA[g] / SFB[g]: their
 // scales in the sm_100 layout; D[g]: [M_g, ldd] bf16. K a multiple of 128, N of 16, M_g >= 0.
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -154,13 +155,13 @@ inline typename Gemm::Arguments make_args(int G, uint8_t* ws, const DeviceArrays
 
 extern "C" {
 
-long long mok_sm100_mxfp8_gemm_workspace_bytes(int G, const int* M, int N, int K) {
+long long mok_sm100_mxfp8_gemm_workspace_bytes(int G, const int* M, int N, int K, int device) {
   using namespace mok::sm100;
   if (!check_shapes(G, M, N, K, nullptr, 0)) return -1;
   std::vector<UnderlyingProblem> host(G);
   for (int g = 0; g < G; ++g) host[g] = UnderlyingProblem(M[g], N, K);
   const DeviceArrays w = carve(G);
-  const typename Gemm::Arguments args = make_args(G, nullptr, w, host.data(), 0);
+  const typename Gemm::Arguments args = make_args(G, nullptr, w, host.data(), device);
   return (long long)(w.total + align256(Gemm::get_workspace_size(args)));
 }
 
@@ -180,6 +181,9 @@ int mok_sm100_mxfp8_grouped_gemm(int G, const int* M, int N, int K, const void* 
   for (int g = 0; g < G; ++g) {
     if (M[g] > 0 && (!A[g] || !B[g] || !SFA[g] || !SFB[g] || !D[g]))
       return write_err(errbuf, errlen, "mxfp8 grouped gemm: expert %d has a null operand pointer", g);
+    if (M[g] > 0 && (reinterpret_cast<uintptr_t>(A[g]) % 16 || reinterpret_cast<uintptr_t>(B[g]) % 16 ||
+                     reinterpret_cast<uintptr_t>(D[g]) % 16))
+      return write_err(errbuf, errlen, "mxfp8 grouped gemm: expert %d: A, B and D must be 16-byte aligned (TMA)", g);
     problems[g] = UnderlyingProblem(M[g], N, K);
     sa[g] = cutlass::make_cute_packed_stride(StrideA{}, {M[g], K, 1});
     sb[g] = cutlass::make_cute_packed_stride(StrideB{}, {N, K, 1});
