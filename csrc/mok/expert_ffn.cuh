@@ -164,6 +164,17 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   }
 }
 
+// A consumer warpgroup with no rows in its half of a tile: take each stage and give it back at once
+// (the stage is freed when both warpgroups arrived on its empty barrier).
+__device__ __forceinline__ void skip_kloop(const Params& P, int q, const ComputeSmem& sm, int nk, int& st,
+                                           uint32_t& ph) {
+  for (int kb = 0; kb < nk; ++kb) {
+    mbar_wait(P, &sm.full[st], ph, q, 4);
+    if ((threadIdx.x & 127) == 0) Barrier::arrive(&sm.empty[st]);
+    if (++st == kStages) { st = 0; ph ^= 1u; }
+  }
+}
+
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
 template <bool kFp8>
 __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
@@ -192,7 +203,14 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
     const long long srow = mb_slot_row0(P, q, ti.mb, ti.mb_start) + (ti.row0 - ti.mb_start);
-    if constexpr (kFp8) {
+    if (wgc == 1 && ti.rows <= 64) {
+      // An expert's last row block with all its rows in the first warpgroup's 64: this warpgroup only
+      // passes the stages on, and the first runs the tile's MMAs alone -- one warpgroup's m64n256 WGMMAs
+      // use all four tensor cores of the SM, so the tile takes about half as long. (Thread 128, which
+      // owns the deferred release, is in the first warpgroup.)
+      const int nk = ti.kind == 1 ? ceil_div(H, kFp8 ? kBKf8 : kBK) : ceil_div(F, kFp8 ? kBKf8 : kBK);
+      skip_kloop(P, q, sm, nk, st, ph);  // acc keeps the last tile's values: the epilogue stores none of them
+    } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
       const float* sa0 = r_lo < ti.rows ? sa + (srow + r_lo) * nk : nullptr;
