@@ -10,11 +10,14 @@ Contract (used by the dispatcher):
   mok_forward_emulated(x, topk_idx, topk_weight, w1, w2, *, comm_sms, ring_slots, minibatch_tokens,
                        timeout_ms=10000.0, debug_stall=None, saved_h=None, fp8=None)
       -> (out[r] [T_r, H] bf16, combine_buf[r] [T_r, K, H] bf16, tokens_per_expert[q] [L] int32)
-      fp8=Fp8ExpertWeights (fp8_weights.py: quantize_expert_weights / Fp8WeightCache) runs the FP8 kernel
+      fp8=Fp8ExpertWeights (fp8_weights.py: quantize_expert_weights / Fp8WeightCache) runs the FP8 kernel;
+      comm_sms=0: no comm SM, spare producer warps of every SM pull the rows (the in-SM pull)
   PeerBuffers / mok_forward_rank (peer_ep.py): per-rank launches, real EP over torch symmetric memory
   backward.py: mok_backward_emulated / mok_backward_rank (the backward kernel, same launch shapes);
       imported on demand (``from megatron_mok.kernel.backward import ...``), it has its own library
   Timeline (timeline.py): optional in-kernel per-SM timeline of a forward or backward launch
+  mxfp8.py: the MXFP8 quantiser of the Blackwell path as a unit (runs on any GPU); sm100.py: the sm_100a
+      MXFP8 grouped expert GEMM unit (Blackwell only)
 """
 
 from __future__ import annotations
