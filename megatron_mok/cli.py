@@ -25,7 +25,8 @@ def _info(_args: argparse.Namespace) -> None:
         print(
             f"  {name:18s} hidden {c.model.hidden_size:5d} ffn {c.model.moe_ffn_hidden_size:5d} "
             f"experts {c.model.num_moe_experts:4d} top-{c.model.moe_router_topk}  | {k.dtype} {k.arch} "
-            f"comm/compute SMs {k.comm_sms}/{k.compute_sms} ring {k.ring_slots}x{k.minibatch_tokens}"
+            f"comm/compute SMs {k.comm_sms}/{k.compute_sms}{' (in-SM pull)' if k.comm_sms == 0 else ''} "
+            f"ring {k.ring_slots}x{k.minibatch_tokens}"
         )
 
 
