@@ -167,6 +167,11 @@ def record(args) -> str:
             f"  {kind:9s} per busy SM x {meta['ctas']}: {f['rate_full_gpu']:8.1f} {u} = {100 * f['frac_full_gpu']:5.1f}% | "
             f"over its window: {f['rate_window']:8.1f} {u} = {100 * f['frac_window']:5.1f}%"
         )
+    if lkw["comm_sms"] == 0:
+        print(
+            "  (in-SM pull: the dispatch events are three pull warps per SM running beside that SM's GEMM tiles, "
+            "so its busy SM-time overlaps fc1 / fc2 and its per-SM rate is not an SM's copy rate)"
+        )
     sched = meta["window_us"].get("schedule")
     if sched:
         print(
