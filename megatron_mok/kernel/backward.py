@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -98,18 +97,7 @@ def build_library(verbose: bool = False, force: bool = False) -> Path:
         h.update(f.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(_build._nvcc_version(nvcc).encode())
-    key = h.hexdigest()[:20]
-    out_dir = _build.cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"{LIB_NAME}-{key}.so"
-    if lib.exists() and not force:
-        return lib
-    tmp = out_dir / f".{LIB_NAME}-{key}-{os.getpid()}.so"
-    cmd = [nvcc, *flags, "-o", str(tmp), str(src / MAIN_SOURCE)]
-    log = _build._run(cmd, verbose)
-    (out_dir / f"{LIB_NAME}-{key}.log").write_text(" ".join(cmd) + "\n" + log)
-    os.replace(tmp, lib)
-    return lib
+    return _build.cached_library(LIB_NAME, h.hexdigest()[:20], nvcc, flags, src / MAIN_SOURCE, verbose, force)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -119,22 +119,29 @@ def compile_only(output: Path | None = None, verbose: bool = False, extra_flags:
     return out
 
 
+def cached_library(name: str, key: str, nvcc: str, flags: list[str], source: Path, verbose: bool, force: bool) -> Path:
+    """``$MOK_CACHE_DIR/<name>-<key>.so`` built from ``source`` unless it exists (or ``force``): compiled
+    under a per-process temporary name and renamed into place, the compiler output kept beside it (.log).
+    Every MoK library (forward, backward, sm_100 units) is built through here."""
+    out_dir = cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"{name}-{key}.so"
+    if lib.exists() and not force:
+        return lib
+    tmp = out_dir / f".{name}-{key}-{os.getpid()}.so"
+    cmd = [nvcc, *flags, "-o", str(tmp), str(source)]
+    log = _run(cmd, verbose)
+    (out_dir / f"{name}-{key}.log").write_text(" ".join(cmd) + "\n" + log)
+    os.replace(tmp, lib)
+    return lib
+
+
 def build_library(verbose: bool = False, force: bool = False) -> Path:
     """Build (or reuse from cache) the shared library; returns its path."""
     nvcc, inc, src = _check_tools()
     flags = nvcc_flags(inc, src) + ["-shared", "-Xptxas", "-v"]
     key = _cache_key(src, flags, _nvcc_version(nvcc))
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"{LIB_NAME}-{key}.so"
-    if lib.exists() and not force:
-        return lib
-    tmp = out_dir / f".{LIB_NAME}-{key}-{os.getpid()}.so"
-    cmd = [nvcc, *flags, "-o", str(tmp), str(src / MAIN_SOURCE)]
-    log = _run(cmd, verbose)
-    (out_dir / f"{LIB_NAME}-{key}.log").write_text(" ".join(cmd) + "\n" + log)
-    os.replace(tmp, lib)
-    return lib
+    return cached_library(LIB_NAME, key, nvcc, flags, src / MAIN_SOURCE, verbose, force)
 
 
 # ---- Blackwell (sm_100a) units: compiled here, runnable only on a Blackwell GPU ----------------------
@@ -166,15 +173,7 @@ def build_sm100_library(verbose: bool = False, force: bool = False) -> Path:
     h = hashlib.sha256((src / SM100_SOURCE).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(_nvcc_version(nvcc).encode())
-    out_dir = cache_dir()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"{SM100_LIB_NAME}-{h.hexdigest()[:20]}.so"
-    if lib.exists() and not force:
-        return lib
-    tmp = out_dir / f".{lib.name}-{os.getpid()}"
-    _run([nvcc, *flags, "-o", str(tmp), str(src / SM100_SOURCE)], verbose)
-    os.replace(tmp, lib)
-    return lib
+    return cached_library(SM100_LIB_NAME, h.hexdigest()[:20], nvcc, flags, src / SM100_SOURCE, verbose, force)
 
 
 def _run(cmd: list[str], verbose: bool) -> str:
