@@ -1,5 +1,6 @@
 // Host-side helpers shared by the forward and backward launchers (mok_forward.cu, mok_backward.cu):
-// error text, TMA descriptor encoding, pinned staging of the per-launch tables, CUDA error checks.
+// error text, TMA descriptor encoding, pinned staging of the per-launch tables, CUDA error checks
+// (the sm_100 unit, sm100/mxfp8_grouped_gemm.cu, uses its error text).
 // Host code only; each launcher library includes it once.
 #pragma once
 #include <cuda.h>

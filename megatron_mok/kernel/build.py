@@ -170,7 +170,9 @@ def build_sm100_library(verbose: bool = False, force: bool = False) -> Path:
     """Build (or reuse from cache) the sm_100a shared library of the Blackwell units."""
     nvcc, inc, src = _check_tools()
     flags = sm100_flags(inc, src) + ["-shared"]
-    h = hashlib.sha256((src / SM100_SOURCE).read_bytes())
+    h = hashlib.sha256()
+    for f in (SM100_SOURCE, "host_launch.h"):  # the unit and the host helpers it includes
+        h.update((src / f).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(_nvcc_version(nvcc).encode())
     return cached_library(SM100_LIB_NAME, h.hexdigest()[:20], nvcc, flags, src / SM100_SOURCE, verbose, force)

@@ -16,7 +16,6 @@
 //                                device, stream, errbuf, errlen) -> 0 on success
 // A[g]: [M_g, K] e4m3 row-major; B[g]: [N, K] e4m3 row-major (the expert weight); SFA[g] / SFB[g]: their
 // scales in the sm_100 layout; D[g]: [M_g, ldd] bf16. K a multiple of 128, N of 16, M_g >= 0.
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -33,6 +32,8 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+
+#include "host_launch.h"
 
 #if !defined(CUTLASS_ARCH_MMA_SM100_SUPPORTED)
 #error "mxfp8_grouped_gemm.cu is the sm_100a unit: compile with -gencode=arch=compute_100a,code=sm_100a"
@@ -108,15 +109,7 @@ inline DeviceArrays carve(int G) {
   return w;
 }
 
-inline int write_err(char* buf, int len, const char* fmt, ...) {
-  if (buf && len > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, (size_t)len, fmt, ap);
-    va_end(ap);
-  }
-  return 1;
-}
+using mok_host::write_err;  // the launchers' error text (../host_launch.h)
 
 inline bool check_shapes(int G, const int* M, int N, int K, char* errbuf, int errlen) {
   if (G < 1) return !write_err(errbuf, errlen, "mxfp8 grouped gemm: %d experts", G);
