@@ -40,11 +40,8 @@ __device__ __forceinline__ float inv_scale(float scale) {
   return fmaf(r, fmaf(-scale, r, 1.0f), r);
 }
 
-// 8 consecutive bf16 values v of a row whose 1 x 128 block spans 16 lanes (lanes 0-15 or 16-31 hold one
-// block's 16 x 8 values): the block's amax by a 16-lane butterfly (every lane of the warp must call, pass
-// zeros past the row's end), the block scale into *scale and the 8 e4m3 values as the result.
-__device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* scale) {
-  float f[8];
+// The 8 bf16 values of a 16-byte vector as fp32.
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float* f) {
   const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -52,6 +49,38 @@ __device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* 
     f[2 * i] = t.x;
     f[2 * i + 1] = t.y;
   }
+}
+
+// The row walk of a warp quantising one bf16 row of H values (vector v = 8 values, at lane v % 32): up
+// to U 16-byte loads per lane in flight (the pull is latency-bound, as in copy_row_bf16), then
+// op(v, vec) per vector on every lane while lane 0's v is in the row -- quantisers shuffle, so lanes past
+// the row's end call too, with vec = 0, and op stores only for v < H / 8. Shared by the 1 x 128 recipe's
+// pull (quantize_pull_row) and the MXFP8 one (mxfp8_quant.cuh: quantize_row_mx).
+template <int U, class Op>
+__device__ __forceinline__ void for_each_row_vector(const __nv_bfloat16* __restrict__ src, int H, int lane, Op&& op) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  const int nv = H / 8;
+  for (int base = 0; base < nv; base += 32 * U) {
+    uint4 buf[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * 32 + lane;
+      buf[u] = v < nv ? __ldg(s + v) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + u * 32 >= nv) break;  // warp-uniform
+      op(base + u * 32 + lane, buf[u]);
+    }
+  }
+}
+
+// 8 consecutive bf16 values v of a row whose 1 x 128 block spans 16 lanes (lanes 0-15 or 16-31 hold one
+// block's 16 x 8 values): the block's amax by a 16-lane butterfly (every lane of the warp must call, pass
+// zeros past the row's end), the block scale into *scale and the 8 e4m3 values as the result.
+__device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* scale) {
+  float f[8];
+  bf16x8_to_float(v, f);
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
@@ -65,34 +94,21 @@ __device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* 
   return q;
 }
 
-// One warp pulls and quantises one row of H (multiple of 128) bf16 values. Iteration u covers 32 lanes x 8
-// values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly. Up to U
-// 16-byte loads per lane are in flight (the pull is latency-bound, as in copy_row_bf16).
+// One warp pulls and quantises one row of H (multiple of 128) bf16 values. A round of the row walk covers
+// 32 lanes x 8 values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly.
 template <int U>
 __device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                                   const __nv_bfloat16* __restrict__ src, int H, int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
   uint2* d = reinterpret_cast<uint2*>(dst);
   const int nv = H / 8;
-  for (int base = 0; base < nv; base += 32 * U) {
-    uint4 buf[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = base + u * 32 + lane;
-      buf[u] = v < nv ? __ldg(s + v) : make_uint4(0, 0, 0, 0);
+  for_each_row_vector<U>(src, H, lane, [&](int v, const uint4& vec) {
+    float scale;
+    const uint2 q = quantize_bf16x8_block16(vec, &scale);
+    if (v < nv) {
+      d[v] = q;
+      if ((lane & 15) == 0) dst_scale[v / 16] = scale;
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + u * 32 >= nv) break;  // warp-uniform
-      const int v = base + u * 32 + lane;
-      float scale;
-      const uint2 q = quantize_bf16x8_block16(buf[u], &scale);
-      if (v < nv) {
-        d[v] = q;
-        if ((lane & 15) == 0) dst_scale[v / 16] = scale;
-      }
-    }
-  }
+  });
 }
 
 // One 128-column half of a 64 x 256 WGMMA fragment (acc or acc + 64): a[4j + 2h + {0,1}] (j < 16) is

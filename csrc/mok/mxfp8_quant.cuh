@@ -12,8 +12,7 @@
 //             csrc/mok/sm100/sf_layout_probe.cu), so the GEMM reads them without a re-layout pass
 #pragma once
 #include "common.cuh"
-
-#include <cuda_fp8.h>
+#include "fp8_quant.cuh"
 
 namespace mok {
 
@@ -44,53 +43,31 @@ __host__ __device__ __forceinline__ long long mx_sf_offset(long long row, int kb
   return atom * 512 + (r % 32) * 16 + (r / 32) * 4 + kb % 4;
 }
 
-// One warp quantises one row of H (multiple of 32) bf16 values: lane l holds 8 consecutive values of
-// vector v, a quad of lanes one 32-value block (amax by a 2-step butterfly), U vectors per lane in
-// flight. dst: the row's H e4m3 bytes; sf: the scale buffer, row `row` of it.
+// One warp quantises one row of H (multiple of 32) bf16 values (fp8_quant.cuh: for_each_row_vector): lane
+// l holds 8 consecutive values of vector v, a quad of lanes one 32-value block (amax by a 2-step
+// butterfly). dst: the row's H e4m3 bytes; sf: the scale buffer, row `row` of it.
 template <int U>
 __device__ __forceinline__ void quantize_row_mx(uint8_t* __restrict__ dst, uint8_t* __restrict__ sf, long long row,
                                                 int sf_layout, const __nv_bfloat16* __restrict__ src, int H,
                                                 int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
   uint2* d = reinterpret_cast<uint2*>(dst);
   const int nv = H / 8, nkb = H / kMxBlock;
-  for (int base = 0; base < nv; base += 32 * U) {
-    uint4 buf[U];
+  for_each_row_vector<U>(src, H, lane, [&](int v, const uint4& vec) {
+    float f[8];
+    bf16x8_to_float(vec, f);
+    float amax = 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = base + u * 32 + lane;
-      buf[u] = v < nv ? __ldg(s + v) : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const uint32_t b = e8m0_exponent(amax);
+    const float inv = e8m0_inverse(b);
+    if (v < nv) {
+      d[v] = make_uint2(e4m3x2(f[0] * inv, f[1] * inv) | (e4m3x2(f[2] * inv, f[3] * inv) << 16),
+                        e4m3x2(f[4] * inv, f[5] * inv) | (e4m3x2(f[6] * inv, f[7] * inv) << 16));
+      if ((lane & 3) == 0) sf[mx_sf_offset(row, v / 4, nkb, sf_layout)] = (uint8_t)b;
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (base + u * 32 >= nv) break;  // warp-uniform
-      const int v = base + u * 32 + lane;
-      float f[8];
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&buf[u]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 t = __bfloat1622float2(p[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-      }
-      float amax = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const uint32_t b = e8m0_exponent(amax);
-      const float inv = e8m0_inverse(b);
-      uint32_t w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE,
-                                                  __NV_E4M3);
-      if (v < nv) {
-        d[v] = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
-        if ((lane & 3) == 0) sf[mx_sf_offset(row, v / 4, nkb, sf_layout)] = (uint8_t)b;
-      }
-    }
-  }
+  });
 }
 
 // Unit kernel: rows [M, H] (row stride ld elements) -> e4m3 [M, H] + scales; one warp per row.
