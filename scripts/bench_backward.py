@@ -347,7 +347,7 @@ def main():
                         mok_fb_pipe = pipelined(mok_fwd_bwd, args.iters, 2)
                         bk.check_last_error()
                         print(
-                            f"MoK forward (comm 8, mb 2048, saved h + kept) + backward (comm {comm}, mb "
+                            f"MoK forward (comm {kc.comm_sms}, mb {kc.minibatch_tokens}, saved h + kept) + backward (comm {comm}, mb "
                             f"{args.minibatch}, wgrad kernel): {mok_fb:8.3f} ms; pipelined {mok_fb_pipe:.3f} ms/call",
                             flush=True,
                         )
