@@ -52,6 +52,19 @@ def dense_ms(rows: int, H: int, F: int, iters: int) -> float:
     return t1 + t2
 
 
+def with_env(key: str, val: str, fn):
+    """Call fn with the environment variable set (the launcher reads its tuning knobs per launch)."""
+    old = os.environ.get(key)
+    os.environ[key] = val
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
+
+
 def bench(name: str, args, results: list) -> None:
     from mok_truth import exact_fp32, rel_err
 
@@ -127,10 +140,15 @@ def bench(name: str, args, results: list) -> None:
             best[kind] = lambda kwb=kwb, extra=extra: mk.mok_forward_emulated(
                 [x], [idx], [w], w1l, w2l, check=False, **kwb, **extra
             )
+        if args.ab_env:  # both kernels with a launcher tuning knob set (e.g. MOK_CONSUMER_LEAD_NS), same rounds
+            key, _, val = args.ab_env.partition("=")
+            for kind in ("bf16", "fp8"):
+                best[f"{kind}_env"] = lambda fn=best[kind]: with_env(key, val, fn)
         if args.ab_comm is not None:  # the bf16 kernel at another SM split, in the same rounds (A/B)
             kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
             best["bf16_ab"] = lambda kwa=kwa: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kwa)
         rd, rb, rf, ra = [], [], [], []
+        renv: dict[str, list[float]] = {"bf16": [], "fp8": []}
         sampler = GpuSampler()
         spans: dict[str, list[tuple[float, float]]] = {}
 
@@ -146,6 +164,8 @@ def bench(name: str, args, results: list) -> None:
             rf.append(timed("fp8", lambda: timeit(best["fp8"], args.iters, 2)[0]))
             if "bf16_ab" in best:
                 ra.append(timed("bf16_ab", lambda: timeit(best["bf16_ab"], args.iters, 2)[0]))
+            for kind in ("bf16", "fp8") if args.ab_env else ():
+                renv[kind].append(timed(f"{kind}_env", lambda k=kind: timeit(best[f"{k}_env"], args.iters, 2)[0]))
         mk.check_last_error()
         sampler.close()
         for key, ws in spans.items():  # mean SM clock / power while each kind ran (nvidia-smi samples)
@@ -166,6 +186,21 @@ def bench(name: str, args, results: list) -> None:
                 flush=True,
             )
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        if args.ab_env:
+            res["ab_env"] = {"env": args.ab_env}
+            for kind, base in (("bf16", rb), ("fp8", rf)):
+                r = [e / b for b, e in zip(base, renv[kind])]  # < 1: the knob is faster
+                res["ab_env"][kind] = {"ms": renv[kind], "time_ratio": med(r)}
+                print(
+                    f"  A/B {kind} with {args.ab_env}: time with / time without = {med(r):.3f} (median of rounds, "
+                    f"{min(r):.3f}-{max(r):.3f}); with it: {med(renv[kind]):.3f} ms",
+                    flush=True,
+                )
+            print(
+                f"  with {args.ab_env}: bf16 = {med([d / e for d, e in zip(rd, renv['bf16'])]) * 100:.1f}% of dense, "
+                f"fp8 -> {med([b / f for b, f in zip(renv['bf16'], renv['fp8'])]):.2f}x bf16 (median of rounds)",
+                flush=True,
+            )
         frac = [d / b for d, b in zip(rd, rb)]
         spd = [b / f for b, f in zip(rb, rf)]
         res["interleaved"] = {
@@ -295,6 +330,11 @@ def main() -> int:
     ap.add_argument("--err-tokens", type=int, default=2048)
     ap.add_argument(
         "--ab-comm", type=int, default=None, help="interleaved rounds: also the bf16 kernel at this comm_sms (A/B)"
+    )
+    ap.add_argument(
+        "--ab-env",
+        default=None,
+        help="interleaved rounds: also both kernels with this launcher knob set, KEY=VALUE (A/B), e.g. MOK_CONSUMER_LEAD_NS=1500",
     )
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])

@@ -109,6 +109,11 @@ def record(args) -> str:
                 f"{kind:16s} {w[0]:10.1f} - {w[1]:9.1f} {meta['busy_sm_us'][kind]:12.1f} "
                 f"{100 * meta['sm_time_share'][kind]:16.1f}% {n:7d}"
             )
+    for kind, t in meta.get("tile_us", {}).items():
+        print(
+            f"{kind} tiles: {t['tiles']}, mean {t['mean_us']:.2f} us, of which epilogue (MMAs done -> tile signalled) "
+            f"{t['epilogue_us']:.2f} us ({100 * t['epilogue_us'] / t['mean_us']:.1f}%)"
+        )
     # per GEMM phase: FLOPs / busy SM-time -> TFLOP/s per busy SM (x 132 = rate if every SM ran it)
     if args.pass_ == "forward":
         gemms = {"fc1": 2.0 * rows * H * 2 * F, "fc2": 2.0 * rows * F * H}

@@ -32,6 +32,7 @@ struct TimelineEvent;
 constexpr int kThreads = 384;           // 3 warpgroups: WG0 = TMA producer, WG1/WG2 = WGMMA consumers
 constexpr int kWarps = kThreads / 32;
 constexpr int kBM = 128;                // GEMM tile rows (2 consumer warpgroups x 64)
+constexpr int kConsumerWGs = 2;         // each signals its rows of a tile itself (fc1_done, mb_done count both)
 constexpr int kBN = 256;                // GEMM tile cols (fc1: 128 gate + 128 up; fc2: 256 hidden)
 constexpr int kBK = 64;                 // 64 bf16 = 128 B = one SWIZZLE_128B row
 constexpr int kStages = 4;              // smem pipeline depth
@@ -107,6 +108,7 @@ struct Params {
   int mb_cap;                         // max minibatches per rank (counter array size)
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
+  int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;
@@ -171,11 +173,11 @@ __device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return
 __device__ __forceinline__ unsigned* ctr_ready(const Params& P, int q, int mb) {
   return P.counters + 2 + P.nparts + (long long)part(P, q) * P.mb_cap + mb;
 }
-// +1 per finished fc2 tile (combine pushes written) of minibatch mb
+// +1 per consumer warpgroup per finished fc2 tile (its combine pushes written) of minibatch mb
 __device__ __forceinline__ unsigned* ctr_mb_done(const Params& P, int q, int mb) {
   return P.counters + 2 + P.nparts + (long long)P.nparts * P.mb_cap + (long long)part(P, q) * P.mb_cap + mb;
 }
-// +1 per finished fc1 tile of row block mt of minibatch mb
+// +1 per consumer warpgroup per finished fc1 tile of row block mt of minibatch mb
 __device__ __forceinline__ unsigned* ctr_fc1_done(const Params& P, int q, int mb, int mt) {
   return P.counters + 2 + P.nparts + 2LL * P.nparts * P.mb_cap + ((long long)part(P, q) * P.mb_cap + mb) * P.mt_max +
          mt;

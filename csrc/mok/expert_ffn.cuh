@@ -126,8 +126,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
                       // upstream is reported by that round's own waiters first (secondary, slack 2)
         ok = wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
       else
-        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)P.nt1, q, s, kPhaseFc1Done,
-                              2);  // secondary: a stalled dispatch is reported by its own waiters first
+        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)(kConsumerWGs * P.nt1), q, s,
+                              kPhaseFc1Done, 2);  // secondary: a stalled dispatch is reported by its own waiters first
       if (!ok) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
@@ -186,16 +186,23 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
-  DeferredRelease rel;  // thread 128: the last fc2 tile's mb_done (deferred_release.cuh)
+  DeferredRelease rel;  // thread 0 of the warpgroup: its last fc2 tile's mb_done (deferred_release.cuh)
+  // The two warpgroups signal their own rows (fc1_done, mb_done count kConsumerWGs per tile) and meet
+  // only on the stage ring, so one may run a few K blocks ahead: while one stores its epilogue the other
+  // keeps the tensor cores busy. A start offset (P.consumer_lead_ns, tuning knob) seeds that lag.
+  if (wgc == 1 && P.consumer_lead_ns > 0) {
+    const unsigned long long t0 = globaltimer_ns();
+    while (globaltimer_ns() - t0 < (unsigned long long)P.consumer_lead_ns) __nanosleep(64);
+  }
   while (true) {
-    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
+    if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
     named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
     if (ti.kind == 0) {
-      if (threadIdx.x == 128) rel.flush();
+      if (lt == 0) rel.flush();
       break;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -203,6 +210,21 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
     const long long srow = mb_slot_row0(P, q, ti.mb, ti.mb_start) + (ti.row0 - ti.mb_start);
+    // fc2 push destinations of this thread's two rows: the layout entries are loaded now and resolved to
+    // the home rank's combine row once the first MMAs are in flight (resolve_push); left to the epilogue,
+    // these two dependent global loads opened every fc2 epilogue with a ~1 us stall.
+    int2 src_row[2] = {make_int2(-1, 0), make_int2(-1, 0)};
+    __nv_bfloat16* push_dst[2] = {nullptr, nullptr};
+    if (ti.kind == 2 && !MOK_DBG(2)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (r_lo + 8 * h < ti.rows) src_row[h] = P.layout[(long long)part(P, q) * P.layout_cap + ti.row0 + r_lo + 8 * h];
+    }
+    auto resolve_push = [&] {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (src_row[h].x >= 0) push_dst[h] = P.ranks[src_row[h].x].combine + (long long)src_row[h].y * H;
+    };
     if (wgc == 1 && ti.rows <= 64) {
       // An expert's last row block with all its rows in the first warpgroup's 64: this warpgroup only
       // passes the stages on, and the first runs the tile's MMAs alone -- one warpgroup's m64n256 WGMMAs
@@ -210,6 +232,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       // owns the deferred release, is in the first warpgroup.)
       const int nk = ti.kind == 1 ? ceil_div(H, kFp8 ? kBKf8 : kBK) : ceil_div(F, kFp8 ? kBKf8 : kBK);
       skip_kloop(P, q, sm, nk, st, ph);  // acc keeps the last tile's values: the epilogue stores none of them
+      resolve_push();                    // (no rows of this warpgroup: nothing to resolve)
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
@@ -225,7 +248,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
       ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&] {
-        if (threadIdx.x == 128) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+        if (lt == 0) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+        resolve_push();
       });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
@@ -242,7 +266,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
-      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+      if (kb == 0 && lt == 0) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+      if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -253,6 +278,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     fence_acc(acc);
     if (lt == 0) Barrier::arrive(&sm.empty[prev]);
     }
+    const unsigned long long t_mma = P.timeline != nullptr ? globaltimer_ns() : 0ull;
 
     // ---------------- epilogue ----------------
     if (ti.kind == 1) {
@@ -317,28 +343,19 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
     }
       fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
-      named_bar_sync(1, 256);
-      if (threadIdx.x == 128) {
+      named_bar_sync(2 + wgc, 128);  // this warpgroup's rows are stored
+      if (lt == 0) {
         __threadfence();
         red_release_gpu_add(ctr_fc1_done(P, q, ti.mb, ti.mt), 1u);
-        timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns());
       }
+      if (threadIdx.x == 128) timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     } else {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        __nv_bfloat16* dst = nullptr;
-        if (r < ti.rows && !MOK_DBG(2)) {
-          const int2 src = P.layout[(long long)part(P, q) * P.layout_cap + ti.row0 + r];
-          dst = P.ranks[src.x].combine + (long long)src.y * H;  // push: home rank's combine buffer row
-        }
-        store_row_frag256(dst, ti.nt * kBN, H, acc, h, lane);
-      }
-      named_bar_sync(1, 256);
-      if (threadIdx.x == 128) {
-        rel.hold(ctr_mb_done(P, q, ti.mb));
-        timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns());
-      }
+      for (int h = 0; h < 2; ++h)  // push: the home rank's combine buffer rows
+        store_row_frag256(push_dst[h], ti.nt * kBN, H, acc, h, lane);
+      named_bar_sync(2 + wgc, 128);  // this warpgroup's rows are stored
+      if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
+      if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }
   }
 }

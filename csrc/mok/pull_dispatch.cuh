@@ -85,8 +85,8 @@ __device__ __forceinline__ bool wait_slot_free(const Params& P, int q, int i) {
   const int S = P.ring_slots, M = P.minibatch;
   if (i < S) return true;
   const int* off = P.expert_off + part(P, q) * (P.L + 1);
-  const unsigned need =
-      (unsigned)(P.nt2 * count_mtiles(off, P.L, mb_begin(off, P.L, M, i - S), mb_begin(off, P.L, M, i - S + 1)));
+  const unsigned need = (unsigned)(kConsumerWGs * P.nt2 *
+                                   count_mtiles(off, P.L, mb_begin(off, P.L, M, i - S), mb_begin(off, P.L, M, i - S + 1)));
   return wait_counter_geq(P, ctr_mb_done(P, q, i - S), need, q, i % S, kPhaseSlotFree);
 }
 

@@ -22,10 +22,11 @@ enum TimelineKind : unsigned {
   kTlBwdGradX = 11,    // grad_x = sum_k grad_buf (after every rank's pushes landed)
 };
 
-// One event; the host reads them as int64[4]: {kind | smid << 8 | aux << 16, unused, t0, t1}.
+// One event; the host reads them as int64[3]: {(kind | smid << 8 | aux << 16) | mma_ns << 32, t0, t1}.
+// mma_ns: for a GEMM tile, ns from t0 to the end of its MMAs (the rest, to t1, is its epilogue); else 0.
 struct TimelineEvent {
   unsigned tag;
-  unsigned unused;
+  unsigned mma_ns;
   unsigned long long t0, t1;
 };
 
@@ -36,13 +37,14 @@ __device__ __forceinline__ unsigned smid() {
 }
 
 __device__ __forceinline__ void timeline_record(const Params& P, unsigned kind, unsigned aux,
-                                                unsigned long long t0, unsigned long long t1) {
+                                                unsigned long long t0, unsigned long long t1,
+                                                unsigned long long t_mma = 0) {
   if (P.timeline == nullptr) return;
   const unsigned i = atomicAdd(P.timeline_count + blockIdx.x, 1u);
   if (i >= (unsigned)P.timeline_cap) return;  // full: later events of this CTA are dropped (count tells)
   TimelineEvent ev;
   ev.tag = kind | (smid() << 8) | (min(aux, 0xFFFFu) << 16);
-  ev.unused = 0;
+  ev.mma_ns = t_mma > t0 ? (unsigned)min(t_mma - t0, 0xFFFFFFFFull) : 0u;
   ev.t0 = t0;
   ev.t1 = t1;
   P.timeline[(long long)blockIdx.x * P.timeline_cap + i] = ev;

@@ -59,6 +59,7 @@ class TimelineEvent:
     minibatch: int
     start_us: float
     end_us: float
+    mma_end_us: float | None = None  # GEMM tiles: when its MMAs ended (the rest is the epilogue)
 
 
 class Timeline:
@@ -90,7 +91,7 @@ class Timeline:
         rows = []
         for cta, n in enumerate(counts):
             for tag, t0, t1 in raw[cta, : min(n, self.cap)].tolist():
-                rows.append((cta, tag & 0xFFFFFFFF, t0, t1))
+                rows.append((cta, tag & 0xFFFFFFFF, t0, t1, (tag >> 32) & 0xFFFFFFFF))
         if not rows:
             return []
         base = min(r[2] for r in rows)
@@ -102,8 +103,9 @@ class Timeline:
                 minibatch=tag >> 16,
                 start_us=(t0 - base) / 1e3,
                 end_us=(t1 - base) / 1e3,
+                mma_end_us=(t0 + mma - base) / 1e3 if mma else None,
             )
-            for cta, tag, t0, t1 in rows
+            for cta, tag, t0, t1, mma in rows
         ]
 
     def dropped(self) -> int:
@@ -136,7 +138,24 @@ def summarize(events: list[TimelineEvent]) -> dict:
         w = window.setdefault(e.kind, [e.start_us, e.end_us])
         w[0], w[1] = min(w[0], e.start_us), max(w[1], e.end_us)
     share = {k: v / (span * ctas) if span > 0 else 0.0 for k, v in busy.items()}
-    return {"span_us": span, "ctas": ctas, "busy_sm_us": busy, "sm_time_share": share, "window_us": window}
+    # GEMM tiles that carry their MMA end: mean tile and epilogue time (what the tensor cores of that
+    # warpgroup waited for), to see what overlapping the epilogue with the next tile's MMAs could gain
+    tiles: dict[str, list[float]] = {}
+    for e in events:
+        if e.mma_end_us is not None:
+            t = tiles.setdefault(e.kind, [0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += e.end_us - e.start_us
+            t[2] += e.end_us - e.mma_end_us
+    per_tile = {k: {"tiles": n, "mean_us": tot / n, "epilogue_us": epi / n} for k, (n, tot, epi) in tiles.items()}
+    return {
+        "span_us": span,
+        "ctas": ctas,
+        "busy_sm_us": busy,
+        "sm_time_share": share,
+        "window_us": window,
+        "tile_us": per_tile,
+    }
 
 
 @dataclass(frozen=True)

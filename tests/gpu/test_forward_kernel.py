@@ -96,6 +96,26 @@ def test_ticket_orders(kernel, raster, monkeypatch):
     _run_case(kernel, 2, 4, 512, 256, 4, Ts=[900, 700], mode="skewed", ring_slots=2, minibatch=300, seed=8)
 
 
+@pytest.mark.parametrize("comm", [2, 0])
+def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
+    """The consumer warpgroups signal their rows apart and may drift; a start offset of the second
+    (MOK_CONSUMER_LEAD_NS) must change nothing but timing: bitwise the same outputs and combine rows."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(21)
+    R, L, H, F, K = 2, 4, 512, 384, 4
+    Ts = [900, 611]
+    x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
+    idx, wts = make_routings(Ts, K, R * L, "skewed", dev, gen)
+    w1, w2 = make_experts(R, L, H, F, dev, gen)
+    kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=200)
+    o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    for lead in ("700", "20000"):  # a few K blocks; longer than whole tiles of this shape
+        monkeypatch.setenv("MOK_CONSUMER_LEAD_NS", lead)
+        o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+        for r in range(R):
+            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"lead {lead} ns, rank {r}"
+
+
 def test_strided_weight_views(kernel):
     _run_case(kernel, 2, 2, Ts=[400, 300], mode="uniform", seed=7, strided=True, **SMALL)
 

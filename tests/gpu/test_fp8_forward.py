@@ -89,6 +89,21 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
             assert 1e-3 < e_x < 0.08, f"rank {r}: fp8 output rel err vs fp32 {e_x:.3e} out of the recipe's range"
 
 
+@pytest.mark.parametrize("comm", [2, 0])
+def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
+    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS) changes only timing."""
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    x, idx, wts, w1, w2 = _inputs(2, 3, 512, 384, 4, [700, 301], "skewed", seed=77)
+    q8 = quantize_expert_weights(w1, w2)
+    kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=128, fp8=q8)
+    o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    monkeypatch.setenv("MOK_CONSUMER_LEAD_NS", "1500")
+    o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    for r in range(2):
+        assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"rank {r}"
+
+
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):
     """The same layer through the bf16 and the fp8 kernel against fp32: fp8 error bounded, bf16 smaller."""
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights

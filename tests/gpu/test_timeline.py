@@ -49,6 +49,15 @@ def test_timeline_records_every_stage_per_sm():
     # fc2 tiles: per row block, ceil(H / 256) tiles; fc1: ceil(F / 128)
     s = summarize(ev)
     assert s["span_us"] > 0 and s["busy_sm_us"]["fc1"] > 0 and s["busy_sm_us"]["fc2"] > 0
+    # GEMM tiles carry the end of their MMAs (the rest is the epilogue); other events carry none
+    for e in ev:
+        if e.kind in ("fc1", "fc2"):
+            assert e.mma_end_us is not None and e.start_us < e.mma_end_us <= e.end_us, e
+        else:
+            assert e.mma_end_us is None, e
+    for kind in ("fc1", "fc2"):
+        t = s["tile_us"][kind]
+        assert t["tiles"] == sum(1 for e in ev if e.kind == kind) and 0 < t["epilogue_us"] < t["mean_us"]
     # dispatch of the first minibatch starts before the last fc2 tile ends (the pipeline overlaps)
     first_disp_end = min(e.end_us for e in ev if e.kind == "dispatch")
     assert first_disp_end < max(e.end_us for e in ev if e.kind == "fc2")
