@@ -111,7 +111,7 @@ def record(args) -> str:
             )
     for kind, t in meta.get("tile_us", {}).items():
         print(
-            f"{kind} tiles: {t['tiles']}, mean {t['mean_us']:.2f} us, of which epilogue (MMAs done -> tile signalled) "
+            f"{kind} tiles: {t['tiles']}, mean {t['mean_us']:.2f} us, of which epilogue (MMAs done -> its stores issued) "
             f"{t['epilogue_us']:.2f} us ({100 * t['epilogue_us'] / t['mean_us']:.1f}%)"
         )
     # per GEMM phase: FLOPs / busy SM-time -> TFLOP/s per busy SM (x 132 = rate if every SM ran it)

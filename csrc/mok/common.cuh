@@ -224,6 +224,17 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 __device__ __forceinline__ void named_bar_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
 }
+// Named barrier that also ORs a predicate over its threads: every thread gets the same answer.
+__device__ __forceinline__ bool named_bar_any(int id, int nthreads, bool p) {
+  int r;
+  asm volatile(
+      "{\n .reg .pred pi, po;\n setp.ne.b32 pi, %1, 0;\n barrier.cta.red.or.pred po, %2, %3, pi;\n"
+      " selp.b32 %0, 1, 0, po;\n}"
+      : "=r"(r)
+      : "r"((int)p), "r"(id), "r"(nthreads)
+      : "memory");
+  return r != 0;
+}
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
 template <int N>

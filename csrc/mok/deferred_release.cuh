@@ -32,4 +32,31 @@ struct DeferredRelease {
   }
 };
 
+// The same for an fc1 tile's fc1_done, held by a whole consumer warpgroup (all 128 threads call every
+// member): its activation rows are read next by TMA, so each writing thread must order its own stores
+// before the async proxy (fence.proxy.async) before one thread releases. Those fences wait for the
+// stores to land (~the tile's whole fc1 epilogue again); held, they run while the next tile's first
+// WGMMA group is in flight. The same deadlock rule as above, decided for the warpgroup at once.
+struct DeferredActRelease {
+  unsigned* ctr = nullptr;  // uniform over the warpgroup
+  __device__ __forceinline__ void flush(int bar_id, int lt) {
+    if (ctr != nullptr) {
+      fence_proxy_async_global();
+      named_bar_sync(bar_id, 128);
+      if (lt == 0) {
+        __threadfence();
+        red_release_gpu_add(ctr, 1u);
+      }
+      ctr = nullptr;
+    }
+  }
+  __device__ __forceinline__ void hold(unsigned* c, int bar_id, int lt) {
+    flush(bar_id, lt);
+    ctr = c;
+  }
+  __device__ __forceinline__ void before_wait(uint64_t* info_full, uint32_t phase, int bar_id, int lt) {
+    if (ctr != nullptr && named_bar_any(bar_id, 128, !Barrier::test_wait(info_full, phase, 1u))) flush(bar_id, lt);
+  }
+};
+
 }  // namespace mok

@@ -186,7 +186,9 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
-  DeferredRelease rel;  // thread 0 of the warpgroup: its last fc2 tile's mb_done (deferred_release.cuh)
+  DeferredRelease rel;         // thread 0 of the warpgroup: its last fc2 tile's mb_done (deferred_release.cuh)
+  DeferredActRelease act_rel;  // the whole warpgroup: its last fc1 tile's fc1_done
+  const int wg_bar = 2 + wgc;  // this warpgroup's named barrier
   // The two warpgroups signal their own rows (fc1_done, mb_done count kConsumerWGs per tile) and meet
   // only on the stage ring, so one may run a few K blocks ahead: while one stores its epilogue the other
   // keeps the tensor cores busy. A start offset (P.consumer_lead_ns, tuning knob) seeds that lag.
@@ -196,6 +198,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   }
   while (true) {
     if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
+    act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt);
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
     named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
@@ -203,6 +206,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (++ii == 2) { ii = 0; iph ^= 1u; }
     if (ti.kind == 0) {
       if (lt == 0) rel.flush();
+      act_rel.flush(wg_bar, lt);
       break;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -233,6 +237,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       const int nk = ti.kind == 1 ? ceil_div(H, kFp8 ? kBKf8 : kBK) : ceil_div(F, kFp8 ? kBKf8 : kBK);
       skip_kloop(P, q, sm, nk, st, ph);  // acc keeps the last tile's values: the epilogue stores none of them
       resolve_push();                    // (no rows of this warpgroup: nothing to resolve)
+      act_rel.flush(wg_bar, lt);
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
@@ -248,7 +253,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
       ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&] {
-        if (lt == 0) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+        if (lt == 0) rel.flush();  // the previous fc2 / fc1 tile's release, MMAs in flight
+        act_rel.flush(wg_bar, lt);
         resolve_push();
       });
     } else {
@@ -266,7 +272,10 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
-      if (kb == 0 && lt == 0) rel.flush();  // the previous fc2 tile's release, MMAs in flight
+      if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight
+        if (lt == 0) rel.flush();
+        act_rel.flush(wg_bar, lt);
+      }
       if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
       cute::warpgroup_wait<1>();
       fence_acc(acc);
@@ -342,18 +351,15 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         }
       }
     }
-      fence_proxy_async_global();  // activations are read next by TMA (fc2 tiles, maybe other SMs)
-      named_bar_sync(2 + wgc, 128);  // this warpgroup's rows are stored
-      if (lt == 0) {
-        __threadfence();
-        red_release_gpu_add(ctr_fc1_done(P, q, ti.mb, ti.mt), 1u);
-      }
+      // activations are read next by TMA (fc2 tiles, maybe other SMs): fenced and released once the next
+      // tile's MMAs run (DeferredActRelease)
+      act_rel.hold(ctr_fc1_done(P, q, ti.mb, ti.mt), wg_bar, lt);
       if (threadIdx.x == 128) timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h)  // push: the home rank's combine buffer rows
         store_row_frag256(push_dst[h], ti.nt * kBN, H, acc, h, lane);
-      named_bar_sync(2 + wgc, 128);  // this warpgroup's rows are stored
+      named_bar_sync(wg_bar, 128);  // this warpgroup's rows are stored
       if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
       if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }

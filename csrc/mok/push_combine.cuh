@@ -13,21 +13,22 @@ namespace mok {
 
 // Quad transpose of packed bf16x2 words: lane l of a quad holds word w_j (columns 8j+2l, 8j+2l+1 of
 // chunks j = 0..3 of one row); afterwards lane l holds all 8 columns of chunk l (one 16-byte store).
+// Two butterfly steps (lane xor 1, then xor 2), each swapping two words with the partner: 4 shuffles
+// and 12 selects. (A rotation by lane index took 4 shuffles too but ~40 selects and compares: every
+// epilogue runs 8-16 of these per row pair, on the issue slots the other warpgroup's MMAs also need.)
 __device__ __forceinline__ uint4 quad_transpose(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int lane) {
-  const int l = lane & 3, base = lane & ~3;
-  uint32_t o0 = 0, o1 = 0, o2 = 0, o3 = 0;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int sc = (l - r) & 3;  // chunk this lane sends this round
-    const uint32_t send = sc == 0 ? w0 : sc == 1 ? w1 : sc == 2 ? w2 : w3;
-    const int src = (l + r) & 3;  // lane whose pair of chunk l we receive (columns 2*src, 2*src+1)
-    const uint32_t recv = __shfl_sync(0xffffffffu, send, base | src);
-    o0 = src == 0 ? recv : o0;
-    o1 = src == 1 ? recv : o1;
-    o2 = src == 2 ? recv : o2;
-    o3 = src == 3 ? recv : o3;
-  }
-  return make_uint4(o0, o1, o2, o3);
+  const bool odd = lane & 1, high = lane & 2;
+  // step 1, partner lane ^ 1: the odd lane takes the partner's w1 / w3 as its w0 / w2, the even one the
+  // partner's w0 / w2 as its w1 / w3 (2 x 2 blocks transposed)
+  uint32_t a = __shfl_xor_sync(0xffffffffu, odd ? w0 : w1, 1);
+  uint32_t b = __shfl_xor_sync(0xffffffffu, odd ? w2 : w3, 1);
+  if (odd) { w0 = a; w2 = b; } else { w1 = a; w3 = b; }
+  // step 2, partner lane ^ 2: the upper lane takes the partner's w2 / w3 as its w0 / w1, the lower one
+  // the partner's w0 / w1 as its w2 / w3
+  a = __shfl_xor_sync(0xffffffffu, high ? w0 : w2, 2);
+  b = __shfl_xor_sync(0xffffffffu, high ? w1 : w3, 2);
+  if (high) { w0 = a; w1 = b; } else { w2 = a; w3 = b; }
+  return make_uint4(w0, w1, w2, w3);
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float a, float b) {
