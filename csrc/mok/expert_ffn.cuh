@@ -252,10 +252,12 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb0 = ws + (long long)(2 * ti.nt) * nk;
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
-      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&] {
-        if (lt == 0) rel.flush();  // the previous fc2 / fc1 tile's release, MMAs in flight
-        act_rel.flush(wg_bar, lt);
-        resolve_push();
+      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
+        if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight (one group at most: wait<0>)
+          if (lt == 0) rel.flush();
+          act_rel.flush(wg_bar, lt);
+        }
+        if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
       });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
@@ -272,11 +274,11 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int kk = 0; kk < kBK / 16; ++kk)
         wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
       cute::warpgroup_commit_batch();
-      if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight
-        if (lt == 0) rel.flush();
+      if (kb == (nk > 1 ? 1 : 0)) {  // two groups in flight: block 0's landed the layout loads
+        resolve_push();
+        if (lt == 0) rel.flush();  // the previous fc2 / fc1 tile's release, the fences hidden by MMAs
         act_rel.flush(wg_bar, lt);
       }
-      if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
       cute::warpgroup_wait<1>();
       fence_acc(acc);
       if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -363,6 +365,10 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
       if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }
+    // Lock-step consumers (P.consumer_sync, the FP8 kernel's default): its K loop drains each warpgroup's
+    // group every block and rescales while the other's runs; a warpgroup running ahead meets the
+    // producer's frontier and leaves the other's rescales uncovered (fc1 per SM 86.7 % -> 76.8 %).
+    if (P.consumer_sync) named_bar_sync(1, 256);
   }
 }
 

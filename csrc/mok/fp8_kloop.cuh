@@ -22,16 +22,16 @@ namespace mok {
 // makes it serialise every wgmma of the kernel (warning C7514: each wgmma waits for the previous one).
 // One drain per K block per warpgroup is cheap by comparison: the other consumer warpgroup's group keeps
 // the tensor cores busy meanwhile.
-// after_first_issue() runs once block 0's group is in flight (the backward flushes a held counter
-// release there, see bwd_gemm.cuh DeferredRelease).
+// after_issue(kb) runs once block kb's group is in flight (held counter releases are flushed there, see
+// deferred_release.cuh; the forward's fc2 tiles resolve their push rows at block 1).
 struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
+  __device__ __forceinline__ void operator()(int) const {}
 };
 template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
-                                              Hook after_first_issue = Hook{}) {
+                                              Hook after_issue = Hook{}) {
   const int lt = threadIdx.x & 127;
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   int prev = 0;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     for (int kk = 0; kk < kBKf8 / 32; ++kk)
       wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
-    if (kb == 0) after_first_issue();
+    after_issue(kb);
     pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;
     if (++st == kStages) { st = 0; ph ^= 1u; }
