@@ -109,7 +109,7 @@ struct Params {
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
   int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
-  int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (default: fp8 kernel; MOK_CONSUMER_SYNC)
+  int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

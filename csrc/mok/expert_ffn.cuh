@@ -121,6 +121,13 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
         record_error(P, kErrInternal, q, s, kPhasePipeline, cnt, mt, 5);
         break;
       }
+      // the tile's weight maps, fetched while it waits for its dependency and for a free stage
+      if (kind == 1) {
+        tma_prefetch_desc(tmap_gate(P, q * L + e));
+        tma_prefetch_desc(tmap_up(P, q * L + e));
+      } else {
+        tma_prefetch_desc(tmap_w2(P, q * L + e));
+      }
       bool ok;
       if (kind == 1)  // from the second round on a slot's dispatch waits for its previous combine: a stall
                       // upstream is reported by that round's own waiters first (secondary, slack 2)
@@ -366,9 +373,9 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
       if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }
-    // Lock-step consumers (P.consumer_sync, the FP8 kernel's default): its K loop drains each warpgroup's
-    // group every block and rescales while the other's runs; a warpgroup running ahead meets the
-    // producer's frontier and leaves the other's rescales uncovered (fc1 per SM 86.7 % -> 76.8 %).
+    // Lock-step consumers (P.consumer_sync, off by default): both warpgroups meet after every tile, as
+    // before they signalled apart. Interleaved A/B rounds on the H200 found no gain from it for either
+    // kernel (fp8 time without / with: 0.961-1.003, bf16 0.991-1.010; scripts/NOTES-kernel.md).
     if (P.consumer_sync) named_bar_sync(1, 256);
   }
 }

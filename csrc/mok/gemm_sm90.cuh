@@ -101,6 +101,13 @@ __device__ __forceinline__ void tma_load_2d(const CUtensorMap* map, uint64_t* ba
   cute::SM90_TMA_LOAD_2D::copy(map, bar, 0x1000000000000000ull /*EVICT_NORMAL*/, smem, c0, c1);
 }
 
+// Fetch a tensor map's descriptor into the TMA unit's cache ahead of its first load: the expert weight
+// maps change from tile to tile (3 per local expert: 96 with 32 experts), and a miss delays the tile's
+// first stage by a descriptor round trip to global memory.
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // TMA 2-D store: smem box -> global at (c0 = inner coordinate, c1 = row coordinate), bulk-group based.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* smem, int c0, int c1) {
   cute::SM90_TMA_STORE_2D::copy(map, smem, c0, c1);

@@ -423,8 +423,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.debug = ds ? atoi(ds) : 0;
     const char* ls = getenv("MOK_CONSUMER_LEAD_NS");  // tuning knob (bench_fp8.py --ab-lead)
     P.consumer_lead_ns = ls ? std::max(0, std::min(100000, atoi(ls))) : 0;
-    const char* cs = getenv("MOK_CONSUMER_SYNC");  // tuning knob: 1 / 0 (default: the fp8 kernel only)
-    P.consumer_sync = cs ? (atoi(cs) != 0 ? 1 : 0) : (a->fp8 ? 1 : 0);
+    const char* cs = getenv("MOK_CONSUMER_SYNC");  // tuning knob (bench_fp8.py --ab-env): 1 = lock-step consumers
+    P.consumer_sync = cs ? (atoi(cs) != 0 ? 1 : 0) : 0;
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

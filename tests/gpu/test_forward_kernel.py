@@ -99,7 +99,8 @@ def test_ticket_orders(kernel, raster, monkeypatch):
 @pytest.mark.parametrize("comm", [2, 0])
 def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     """The consumer warpgroups signal their rows apart and may drift; a start offset of the second
-    (MOK_CONSUMER_LEAD_NS) must change nothing but timing: bitwise the same outputs and combine rows."""
+    (MOK_CONSUMER_LEAD_NS) or lock-step (MOK_CONSUMER_SYNC) must change nothing but timing: bitwise the
+    same outputs and combine rows."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(21)
     R, L, H, F, K = 2, 4, 512, 384, 4
@@ -109,11 +110,13 @@ def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=200)
     o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-    for lead in ("700", "20000"):  # a few K blocks; longer than whole tiles of this shape
-        monkeypatch.setenv("MOK_CONSUMER_LEAD_NS", lead)
+    # a few K blocks; longer than whole tiles of this shape; lock-step consumers (MOK_CONSUMER_SYNC)
+    for key, val in (("MOK_CONSUMER_LEAD_NS", "700"), ("MOK_CONSUMER_LEAD_NS", "20000"), ("MOK_CONSUMER_SYNC", "1")):
+        monkeypatch.setenv(key, val)
         o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+        monkeypatch.delenv(key)
         for r in range(R):
-            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"lead {lead} ns, rank {r}"
+            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{key}={val}, rank {r}"
 
 
 def test_strided_weight_views(kernel):
