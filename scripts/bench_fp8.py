@@ -52,6 +52,35 @@ def dense_ms(rows: int, H: int, F: int, iters: int) -> float:
     return t1 + t2
 
 
+def host_ms(fn, n: int = 20) -> float:
+    """Median host milliseconds of one call that returns once its work is queued, the GPU idle at the
+    start: what a per-call timing (CUDA events around each call) adds to the kernel's own time."""
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(ts)[len(ts) // 2]
+
+
+def host_profile(fn, n: int = 20, top: int = 12) -> None:
+    """cProfile of n calls (GPU synchronised before each), the top functions by own time."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    for _ in range(n):
+        torch.cuda.synchronize()
+        pr.enable()
+        fn()
+        pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(top)
+
+
 def with_env(key: str, val: str, fn):
     """Call fn with the environment variable set (the launcher reads its tuning knobs per launch)."""
     old = os.environ.get(key)
@@ -105,12 +134,17 @@ def bench(name: str, args, results: list) -> None:
         ms, mn = timeit(fn, args.iters, 2)
         ms_pipe = pipelined(fn, args.iters, 1)
         mk.check_last_error()
-        res[kind] = {"ms": ms, "min_ms": mn, "pipelined_ms": ms_pipe, "rel_err_vs_fp32": err}
+        h_ms = host_ms(fn)
+        res[kind] = {"ms": ms, "min_ms": mn, "pipelined_ms": ms_pipe, "host_ms": h_ms, "rel_err_vs_fp32": err}
         print(
             f"MoK {kind:4s}: {ms:.3f} ms (min {mn:.3f}, back-to-back {ms_pipe:.3f}) = {tf(ms):.0f} TFLOP/s "
-            f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | rel err vs fp32 layer {err:.3e}",
+            f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | host {h_ms:.3f} ms per call | rel err vs fp32 "
+            f"layer {err:.3e}",
             flush=True,
         )
+        if args.host_profile:
+            print(f"host profile of the {kind} call (20 calls, own time):", flush=True)
+            host_profile(fn)
     # each kernel at its best SM split / minibatch (the fp8 pull quantises, its GEMMs are shorter)
     for kind in ("bf16", "fp8"):
         res[kind].update(comm_sms=args.comm_sms, minibatch=args.minibatch)
@@ -140,15 +174,19 @@ def bench(name: str, args, results: list) -> None:
             best[kind] = lambda kwb=kwb, extra=extra: mk.mok_forward_emulated(
                 [x], [idx], [w], w1l, w2l, check=False, **kwb, **extra
             )
-        if args.ab_env:  # both kernels with a launcher tuning knob set (e.g. MOK_CONSUMER_LEAD_NS), same rounds
-            key, _, val = args.ab_env.partition("=")
-            for kind in ("bf16", "fp8"):
-                best[f"{kind}_env"] = lambda fn=best[kind]: with_env(key, val, fn)
+        # the kernels with a launcher tuning knob set (e.g. MOK_CONSUMER_LEAD_NS), same rounds; one entry
+        # per --ab-env, each for the kernels of --ab-env-kinds
+        env_kinds = [k for k in args.ab_env_kinds.split(",") if k]
+        envs = args.ab_env or []
+        for i, kv in enumerate(envs):
+            key, _, val = kv.partition("=")
+            for kind in env_kinds:
+                best[f"{kind}_env{i}"] = lambda fn=best[kind], key=key, val=val: with_env(key, val, fn)
         if args.ab_comm is not None:  # the bf16 kernel at another SM split, in the same rounds (A/B)
             kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
             best["bf16_ab"] = lambda kwa=kwa: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kwa)
         rd, rb, rf, ra = [], [], [], []
-        renv: dict[str, list[float]] = {"bf16": [], "fp8": []}
+        renv: dict[str, list[float]] = {f"{k}_env{i}": [] for i in range(len(envs)) for k in env_kinds}
         sampler = GpuSampler()
         spans: dict[str, list[tuple[float, float]]] = {}
 
@@ -164,8 +202,8 @@ def bench(name: str, args, results: list) -> None:
             rf.append(timed("fp8", lambda: timeit(best["fp8"], args.iters, 2)[0]))
             if "bf16_ab" in best:
                 ra.append(timed("bf16_ab", lambda: timeit(best["bf16_ab"], args.iters, 2)[0]))
-            for kind in ("bf16", "fp8") if args.ab_env else ():
-                renv[kind].append(timed(f"{kind}_env", lambda k=kind: timeit(best[f"{k}_env"], args.iters, 2)[0]))
+            for key in renv:
+                renv[key].append(timed(key, lambda key=key: timeit(best[key], args.iters, 2)[0]))
         mk.check_last_error()
         sampler.close()
         for key, ws in spans.items():  # mean SM clock / power while each kind ran (nvidia-smi samples)
@@ -186,19 +224,23 @@ def bench(name: str, args, results: list) -> None:
                 flush=True,
             )
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        if args.ab_env:
-            res["ab_env"] = {"env": args.ab_env}
-            for kind, base in (("bf16", rb), ("fp8", rf)):
-                r = [e / b for b, e in zip(base, renv[kind])]  # < 1: the knob is faster
-                res["ab_env"][kind] = {"ms": renv[kind], "time_ratio": med(r)}
+        for i, kv in enumerate(envs):
+            ab = res.setdefault("ab_env", {}).setdefault(kv, {})
+            for kind in env_kinds:
+                base = rb if kind == "bf16" else rf
+                got = renv[f"{kind}_env{i}"]
+                r = [e / b for b, e in zip(base, got)]  # < 1: the knob is faster
+                ab[kind] = {"ms": got, "time_ratio": med(r)}
                 print(
-                    f"  A/B {kind} with {args.ab_env}: time with / time without = {med(r):.3f} (median of rounds, "
-                    f"{min(r):.3f}-{max(r):.3f}); with it: {med(renv[kind]):.3f} ms",
+                    f"  A/B {kind} with {kv}: time with / time without = {med(r):.3f} (median of rounds, "
+                    f"{min(r):.3f}-{max(r):.3f}); with it: {med(got):.3f} ms",
                     flush=True,
                 )
+            b_env = renv.get(f"bf16_env{i}", rb)  # the knob's bf16 if measured, else the plain one
+            f_env = renv.get(f"fp8_env{i}", rf)
             print(
-                f"  with {args.ab_env}: bf16 = {med([d / e for d, e in zip(rd, renv['bf16'])]) * 100:.1f}% of dense, "
-                f"fp8 -> {med([b / f for b, f in zip(renv['bf16'], renv['fp8'])]):.2f}x bf16 (median of rounds)",
+                f"  with {kv}: bf16 = {med([d / e for d, e in zip(rd, b_env)]) * 100:.1f}% of dense, "
+                f"fp8 -> {med([b / f for b, f in zip(b_env, f_env)]):.2f}x bf16 (median of rounds)",
                 flush=True,
             )
         frac = [d / b for d, b in zip(rd, rb)]
@@ -333,9 +375,13 @@ def main() -> int:
     )
     ap.add_argument(
         "--ab-env",
+        action="append",
         default=None,
-        help="interleaved rounds: also both kernels with this launcher knob set, KEY=VALUE (A/B), e.g. MOK_CONSUMER_LEAD_NS=1500",
+        help="interleaved rounds: also the kernels with this launcher knob set, KEY=VALUE (A/B; repeatable), "
+        "e.g. MOK_CONSUMER_LEAD_NS=1500",
     )
+    ap.add_argument("--ab-env-kinds", default="bf16,fp8", help="which kernels the --ab-env variants run")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one call per kernel")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])

@@ -197,7 +197,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   DeferredActRelease act_rel;  // the whole warpgroup: its last fc1 tile's fc1_done
   const int wg_bar = 2 + wgc;  // this warpgroup's named barrier
   // The two warpgroups signal their own rows (fc1_done, mb_done count kConsumerWGs per tile) and meet
-  // only on the stage ring, so one may run a few K blocks ahead: while one stores its epilogue the other
+  // only on the producer's rings (the stage ring and the 2-deep tile-info ring; with P.consumer_sync also
+  // after every tile), so one may run a few K blocks ahead: while one stores its epilogue the other
   // keeps the tensor cores busy. A start offset (P.consumer_lead_ns, tuning knob) seeds that lag.
   if (wgc == 1 && P.consumer_lead_ns > 0) {
     const unsigned long long t0 = globaltimer_ns();
@@ -243,9 +244,12 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       // kernel this branch, joining the accumulator's registers with the K loop's, made ptxas serialise
       // every wgmma (C7515; fc1 per SM 87.8 % -> 78.9 %, span 5.76 -> 6.31 ms on the Kimi-K2 slice).
       const int nk = ti.kind == 1 ? ceil_div(H, kFp8 ? kBKf8 : kBK) : ceil_div(F, kFp8 ? kBKf8 : kBK);
+      // the previous tile's held releases first: this warpgroup issues no MMAs to hide their fences behind,
+      // and a consumer that held them through the skipped K loop would delay whoever waits on them
+      if (lt == 0) rel.flush();
+      act_rel.flush(wg_bar, lt);
       skip_kloop(P, q, sm, nk, st, ph);  // acc keeps the last tile's values: the epilogue stores none of them
       resolve_push();                    // (no rows of this warpgroup: nothing to resolve)
-      act_rel.flush(wg_bar, lt);
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;

@@ -7,9 +7,11 @@
 //   ready[q][i]      : +1 by each pulling CTA after it copied its share of minibatch i into slot s.
 //                      Compute may read slot s for minibatch i once ready >= comm_sms (minibatch 0, and
 //                      every minibatch of the in-SM pull (comm_sms 0): >= ctas_per_rank, pull_dispatch.cuh).
-//   fc1_done[q][i][mt]: +1 per finished fc1 n-tile of row block mt; fc2 of (i, mt) needs nt1.
-//   mb_done[q][i]    : +1 per finished fc2 tile of minibatch i (its combine pushes are written).
-//                      Slot s is free for minibatch i+S once mb_done[i] == nt2 * (row blocks of i)
+//   fc1_done[q][i][mt]: +1 per consumer warpgroup per finished fc1 n-tile of row block mt (each signals
+//                      its own 64 rows); fc2 of (i, mt) needs kConsumerWGs * nt1.
+//   mb_done[q][i]    : +1 per consumer warpgroup per finished fc2 tile of minibatch i (its pushes are
+//                      written). Slot s is free for minibatch i+S once mb_done[i] == kConsumerWGs * nt2 *
+//                      (row blocks of i)
 //                      -> the dispatch of minibatch i+S refills it (ring smaller than the batch).
 // Work tickets (per rank, handed out by an atomic counter in order; dense: expert_ffn.cuh ffn_producer):
 //   minibatch i owns cnt_i * (nt1 + nt2) consecutive tickets, cnt_i = its row blocks (count_mtiles);
