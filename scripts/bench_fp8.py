@@ -29,6 +29,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 from bench_common import GpuSampler, make_inputs, pipelined, timeit  # noqa: E402
 
+from megatron_mok.timing import cuda_call_and_device_ms  # noqa: E402
+
 SHAPES = {
     # name: (H, F, K, L, tokens)
     "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 (384 experts) at EP 48: 8 local experts, 65536 rows
@@ -94,6 +96,134 @@ def with_env(key: str, val: str, fn):
             os.environ[key] = old
 
 
+def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l, q8, rows: int, H: int, F: int):
+    """Dense, bf16, fp8 (each at its best setting) and the A/B variants, every one once per round.
+
+    The power-limited clocks drift within a run, and a kernel's clock depends on what ran just before it:
+    alternating the variants cancels the drift, rotating their order by one each round the neighbour
+    effect; the figures are medians of the per-round ratios. Each MoK variant gives two times per call:
+    the call (CUDA events around it: the host's preparation counts while the GPU waits) and the device
+    time (events around the library's enqueued work: what a host that queues ahead, as in training, sees).
+    """
+    import megatron_mok.kernel as mk
+
+    f1, f2 = dense_fns(rows, H, F)
+    variants: dict = {}
+    for kind in ("bf16", "fp8"):
+        kwb = dict(kw, comm_sms=res[kind]["comm_sms"], minibatch_tokens=res[kind]["minibatch"])
+        extra = {"fp8": q8} if kind == "fp8" else {}
+        variants[kind] = lambda ev, kwb=kwb, extra=extra: mk.mok_forward_emulated(
+            [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwb, **extra
+        )
+    # the kernels with a launcher tuning knob set (e.g. MOK_CONSUMER_LEAD_NS), same rounds; one entry per
+    # --ab-env, each for the kernels of --ab-env-kinds (a knob at its default value is an A/A control)
+    env_kinds = [k for k in args.ab_env_kinds.split(",") if k]
+    envs = args.ab_env or []
+    for i, kv in enumerate(envs):
+        key, _, val = kv.partition("=")
+        for kind in env_kinds:
+            variants[f"{kind}_env{i}"] = lambda ev, fn=variants[kind], key=key, val=val: with_env(
+                key, val, lambda: fn(ev)
+            )
+    if args.ab_comm is not None:  # the bf16 kernel at another SM split (A/B)
+        kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
+        variants["bf16_ab"] = lambda ev, kwa=kwa: mk.mok_forward_emulated(
+            [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwa
+        )
+    keys = ["dense", *variants]
+    call: dict[str, list[float]] = {k: [] for k in keys}
+    dev: dict[str, list[float]] = {k: [] for k in keys}
+    spans: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
+    sampler = GpuSampler()
+    for r in range(args.rounds):
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            t0 = time.monotonic()
+            if key == "dense":  # no host preparation to speak of: its call time is its device time
+                c = timeit(f1, args.iters, 2)[0] + timeit(f2, args.iters, 2)[0]
+                d = c
+            else:
+                c, d = cuda_call_and_device_ms(variants[key], args.iters, 2)
+            spans[key].append((t0, time.monotonic()))
+            call[key].append(c)
+            dev[key].append(d)
+    mk.check_last_error()
+    sampler.close()
+    for key, ws in spans.items():  # mean SM clock / power while each variant ran (nvidia-smi samples)
+        got = [v for v in (sampler.window(a, b) for a, b in ws) if v is not None]
+        if got:
+            clk = sum(c for c, _ in got) / len(got)
+            pw = sum(p for _, p in got) / len(got)
+            res.setdefault("clocks", {})[key] = {"sm_mhz": clk, "power_w": pw}
+            print(f"  {key:8s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W (mean of the rounds' samples)")
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+
+    def ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+        r = [a / b for a, b in zip(num, den)]
+        return med(r), min(r), max(r)
+
+    if "bf16_ab" in variants:
+        m, lo, hi = ratios(call["bf16_ab"], call["bf16"])  # > 1: the chosen split is faster
+        md = ratios(dev["bf16_ab"], dev["bf16"])[0]
+        res["ab_comm"] = {"comm_sms": args.ab_comm, "ms": call["bf16_ab"], "speedup_of_best": m, "device": md}
+        print(
+            f"  A/B bf16 comm {res['bf16']['comm_sms']} vs comm {args.ab_comm} (minibatch {res['bf16']['minibatch']}): "
+            f"time at comm {args.ab_comm} / time at the chosen = {m:.3f} per call ({lo:.3f}-{hi:.3f}), "
+            f"{md:.3f} device (medians of rounds)",
+            flush=True,
+        )
+    for i, kv in enumerate(envs):
+        ab = res.setdefault("ab_env", {}).setdefault(kv, {})
+        for kind in env_kinds:
+            k = f"{kind}_env{i}"
+            m, lo, hi = ratios(call[k], call[kind])  # < 1: the knob is faster
+            md, dlo, dhi = ratios(dev[k], dev[kind])
+            ab[kind] = {"ms": call[k], "device_ms": dev[k], "time_ratio": m, "device_ratio": md}
+            print(
+                f"  A/B {kind} with {kv}: time with / time without = {m:.3f} per call ({lo:.3f}-{hi:.3f}), "
+                f"{md:.3f} device ({dlo:.3f}-{dhi:.3f}) (medians of rounds); with it: {med(call[k]):.3f} ms per "
+                f"call, {med(dev[k]):.3f} ms device",
+                flush=True,
+            )
+        b_env = f"bf16_env{i}" if f"bf16_env{i}" in variants else "bf16"  # the knob's bf16 if measured
+        f_env = f"fp8_env{i}" if f"fp8_env{i}" in variants else "fp8"
+        print(
+            f"  with {kv}: bf16 = {ratios(call['dense'], call[b_env])[0] * 100:.1f}% of dense, fp8 -> "
+            f"{ratios(call[b_env], call[f_env])[0]:.2f}x bf16 per call; device: bf16 "
+            f"{ratios(dev['dense'], dev[b_env])[0] * 100:.1f}% of dense, fp8 -> {ratios(dev[b_env], dev[f_env])[0]:.2f}x",
+            flush=True,
+        )
+    frac, flo, fhi = ratios(call["dense"], call["bf16"])
+    spd, slo, shi = ratios(call["bf16"], call["fp8"])
+    dfrac, dflo, dfhi = ratios(dev["dense"], dev["bf16"])
+    dspd, dslo, dshi = ratios(dev["bf16"], dev["fp8"])
+    res["interleaved"] = {
+        "rounds": args.rounds,
+        "order": "rotated by one each round",
+        "dense_ms": call["dense"],
+        "bf16_ms": call["bf16"],
+        "fp8_ms": call["fp8"],
+        "bf16_device_ms": dev["bf16"],
+        "fp8_device_ms": dev["fp8"],
+        "bf16_of_dense": frac,
+        "fp8_speedup": spd,
+        "bf16_of_dense_device": dfrac,
+        "fp8_speedup_device": dspd,
+    }
+    print(
+        f"SUMMARY {name} interleaved ({args.rounds} rounds x {args.iters} calls, rotated order, median of per-round "
+        f"ratios), per call (host preparation included): bf16 = {frac * 100:.1f}% of dense bf16 (rounds "
+        f"{flo * 100:.1f}-{fhi * 100:.1f}%, target 85%) | fp8 -> {spd:.2f}x bf16 (rounds {slo:.2f}-{shi:.2f}, target "
+        f"1.4x) | dense {med(call['dense']):.3f} bf16 {med(call['bf16']):.3f} fp8 {med(call['fp8']):.3f} ms",
+        flush=True,
+    )
+    print(
+        f"SUMMARY {name} interleaved, device time (the layer's enqueued work): bf16 = {dfrac * 100:.1f}% of dense "
+        f"bf16 (rounds {dflo * 100:.1f}-{dfhi * 100:.1f}%, target 85%) | fp8 -> {dspd:.2f}x bf16 (rounds "
+        f"{dslo:.2f}-{dshi:.2f}, target 1.4x) | bf16 {med(dev['bf16']):.3f} fp8 {med(dev['fp8']):.3f} ms",
+        flush=True,
+    )
+
+
 def bench(name: str, args, results: list) -> None:
     from mok_truth import exact_fp32, rel_err
 
@@ -122,8 +252,10 @@ def bench(name: str, args, results: list) -> None:
 
     kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
     runs = {
-        "bf16": lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw),
-        "fp8": lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, fp8=q8, **kw),
+        "bf16": lambda ev=None: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kw),
+        "fp8": lambda ev=None: mk.mok_forward_emulated(
+            [x], [idx], [w], w1l, w2l, check=False, fp8=q8, gpu_events=ev, **kw
+        ),
     }
     n = min(args.err_tokens, T)
     exact = exact_fp32([x[:n]], [idx[:n]], [w[:n]], w1l, w2l)[0]
@@ -135,11 +267,19 @@ def bench(name: str, args, results: list) -> None:
         ms_pipe = pipelined(fn, args.iters, 1)
         mk.check_last_error()
         h_ms = host_ms(fn)
-        res[kind] = {"ms": ms, "min_ms": mn, "pipelined_ms": ms_pipe, "host_ms": h_ms, "rel_err_vs_fp32": err}
+        _, dev_ms = cuda_call_and_device_ms(fn, args.iters, 1)
+        res[kind] = {
+            "ms": ms,
+            "min_ms": mn,
+            "pipelined_ms": ms_pipe,
+            "host_ms": h_ms,
+            "device_ms": dev_ms,
+            "rel_err_vs_fp32": err,
+        }
         print(
             f"MoK {kind:4s}: {ms:.3f} ms (min {mn:.3f}, back-to-back {ms_pipe:.3f}) = {tf(ms):.0f} TFLOP/s "
-            f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | host {h_ms:.3f} ms per call | rel err vs fp32 "
-            f"layer {err:.3e}",
+            f"({tf(ms) / tf(d_ms) * 100:.1f}% of dense bf16) | device {dev_ms:.3f} ms ({d_ms / dev_ms * 100:.1f}% of "
+            f"dense) | host {h_ms:.3f} ms per call | rel err vs fp32 layer {err:.3e}",
             flush=True,
         )
         if args.host_profile:
@@ -163,102 +303,7 @@ def bench(name: str, args, results: list) -> None:
                 if ms < res[kind]["ms"]:
                     res[kind].update(ms=ms, comm_sms=comm, minibatch=mb)
     if args.rounds > 0:
-        # interleaved rounds (dense, bf16, fp8 at their best settings, one after another, median of the
-        # per-round ratios): the power-limited clocks drift within a run, which skews a ratio of two
-        # timings taken seconds apart; alternating them cancels that drift
-        f1, f2 = dense_fns(rows, H, F)
-        best = {}
-        for kind in ("bf16", "fp8"):
-            kwb = dict(kw, comm_sms=res[kind]["comm_sms"], minibatch_tokens=res[kind]["minibatch"])
-            extra = {"fp8": q8} if kind == "fp8" else {}
-            best[kind] = lambda kwb=kwb, extra=extra: mk.mok_forward_emulated(
-                [x], [idx], [w], w1l, w2l, check=False, **kwb, **extra
-            )
-        # the kernels with a launcher tuning knob set (e.g. MOK_CONSUMER_LEAD_NS), same rounds; one entry
-        # per --ab-env, each for the kernels of --ab-env-kinds
-        env_kinds = [k for k in args.ab_env_kinds.split(",") if k]
-        envs = args.ab_env or []
-        for i, kv in enumerate(envs):
-            key, _, val = kv.partition("=")
-            for kind in env_kinds:
-                best[f"{kind}_env{i}"] = lambda fn=best[kind], key=key, val=val: with_env(key, val, fn)
-        if args.ab_comm is not None:  # the bf16 kernel at another SM split, in the same rounds (A/B)
-            kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
-            best["bf16_ab"] = lambda kwa=kwa: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kwa)
-        rd, rb, rf, ra = [], [], [], []
-        renv: dict[str, list[float]] = {f"{k}_env{i}": [] for i in range(len(envs)) for k in env_kinds}
-        sampler = GpuSampler()
-        spans: dict[str, list[tuple[float, float]]] = {}
-
-        def timed(key, fn):
-            t0 = time.monotonic()
-            ms = fn()
-            spans.setdefault(key, []).append((t0, time.monotonic()))
-            return ms
-
-        for _ in range(args.rounds):
-            rd.append(timed("dense", lambda: timeit(f1, args.iters, 2)[0] + timeit(f2, args.iters, 2)[0]))
-            rb.append(timed("bf16", lambda: timeit(best["bf16"], args.iters, 2)[0]))
-            rf.append(timed("fp8", lambda: timeit(best["fp8"], args.iters, 2)[0]))
-            if "bf16_ab" in best:
-                ra.append(timed("bf16_ab", lambda: timeit(best["bf16_ab"], args.iters, 2)[0]))
-            for key in renv:
-                renv[key].append(timed(key, lambda key=key: timeit(best[key], args.iters, 2)[0]))
-        mk.check_last_error()
-        sampler.close()
-        for key, ws in spans.items():  # mean SM clock / power while each kind ran (nvidia-smi samples)
-            got = [v for v in (sampler.window(a, b) for a, b in ws) if v is not None]
-            if got:
-                clk = sum(c for c, _ in got) / len(got)
-                pw = sum(p for _, p in got) / len(got)
-                res.setdefault("clocks", {})[key] = {"sm_mhz": clk, "power_w": pw}
-                print(f"  {key:7s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W (mean of the rounds' samples)")
-        if ra:
-            ab = [a / b for b, a in zip(rb, ra)]  # > 1: the chosen split is faster
-            med_ab = sorted(ab)[len(ab) // 2]
-            res["ab_comm"] = {"comm_sms": args.ab_comm, "ms": ra, "speedup_of_best": med_ab}
-            print(
-                f"  A/B bf16 comm {res['bf16']['comm_sms']} vs comm {args.ab_comm} (minibatch "
-                f"{res['bf16']['minibatch']}): time at comm {args.ab_comm} / time at the chosen = {med_ab:.3f} (median of rounds, "
-                f"{min(ab):.3f}-{max(ab):.3f})",
-                flush=True,
-            )
-        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        for i, kv in enumerate(envs):
-            ab = res.setdefault("ab_env", {}).setdefault(kv, {})
-            for kind in env_kinds:
-                base = rb if kind == "bf16" else rf
-                got = renv[f"{kind}_env{i}"]
-                r = [e / b for b, e in zip(base, got)]  # < 1: the knob is faster
-                ab[kind] = {"ms": got, "time_ratio": med(r)}
-                print(
-                    f"  A/B {kind} with {kv}: time with / time without = {med(r):.3f} (median of rounds, "
-                    f"{min(r):.3f}-{max(r):.3f}); with it: {med(got):.3f} ms",
-                    flush=True,
-                )
-            b_env = renv.get(f"bf16_env{i}", rb)  # the knob's bf16 if measured, else the plain one
-            f_env = renv.get(f"fp8_env{i}", rf)
-            print(
-                f"  with {kv}: bf16 = {med([d / e for d, e in zip(rd, b_env)]) * 100:.1f}% of dense, "
-                f"fp8 -> {med([b / f for b, f in zip(b_env, f_env)]):.2f}x bf16 (median of rounds)",
-                flush=True,
-            )
-        frac = [d / b for d, b in zip(rd, rb)]
-        spd = [b / f for b, f in zip(rb, rf)]
-        res["interleaved"] = {
-            "dense_ms": rd,
-            "bf16_ms": rb,
-            "fp8_ms": rf,
-            "bf16_of_dense": med(frac),
-            "fp8_speedup": med(spd),
-        }
-        print(
-            f"SUMMARY {name} interleaved ({args.rounds} rounds x {args.iters} calls, median of per-round ratios): "
-            f"bf16 = {med(frac) * 100:.1f}% of dense bf16 (rounds {min(frac) * 100:.1f}-{max(frac) * 100:.1f}%, "
-            f"target 85%) | fp8 -> {med(spd):.2f}x bf16 (rounds {min(spd):.2f}-{max(spd):.2f}, target 1.4x) | "
-            f"dense {med(rd):.3f} bf16 {med(rb):.3f} fp8 {med(rf):.3f} ms",
-            flush=True,
-        )
+        interleaved_rounds(name, args, res, kw, x, idx, w, w1l, w2l, q8, rows, H, F)
     b, f = res["bf16"]["ms"], res["fp8"]["ms"]
     print(
         f"SUMMARY {name}: bf16 {b:.3f} ms (comm {res['bf16']['comm_sms']}, minibatch {res['bf16']['minibatch']}) = "

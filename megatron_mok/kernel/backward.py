@@ -34,7 +34,7 @@ import torch
 from . import build as _build
 from .availability import KernelAvailability
 from .cargs import LaunchArrays
-from .emulated import _lazy_checker
+from .emulated import _lazy_checker, dense_weights_ok
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 LIB_NAME = "libmok_backward"
@@ -620,8 +620,12 @@ def mok_backward_emulated(
             or len(w2[q]) != L
         ):
             _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
-        for e in range(L):
-            _check_expert(f"[{q}][{e}]", w1[q][e], w2[q][e], H, F, device)
+        if not (
+            dense_weights_ok([w1[q]], 1, L, torch.bfloat16, (2 * F, H), device)
+            and dense_weights_ok([w2[q]], 1, L, torch.bfloat16, (H, F), device)
+        ):  # the cheap pass failed: check each expert in detail (names the bad one)
+            for e in range(L):
+                _check_expert(f"[{q}][{e}]", w1[q][e], w2[q][e], H, F, device)
     _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad)
     if debug_stall is not None and not (0 <= debug_stall[0] < R and 0 <= debug_stall[1] < ring_slots):
         _fail(f"debug_stall {debug_stall} out of range")
@@ -847,8 +851,12 @@ def mok_backward_rank(
     F = w2[0].shape[1]
     if H % 64 or F % 64:
         fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of 64")
-    for e in range(L):
-        _check_expert(f"[{e}]", w1[e], w2[e], H, F, device, who=WHO)
+    if not (
+        dense_weights_ok([w1], 1, L, torch.bfloat16, (2 * F, H), device)
+        and dense_weights_ok([w2], 1, L, torch.bfloat16, (H, F), device)
+    ):
+        for e in range(L):
+            _check_expert(f"[{e}]", w1[e], w2[e], H, F, device, who=WHO)
     _check_launch(comm_sms, ring_slots, minibatch_tokens, timeout_ms, wgrad, who=WHO)
     if not isinstance(owner_rows, int) or owner_rows < 0:
         fail(f"owner_rows must be an int >= 0 (0: world * T * K), got {owner_rows!r}")

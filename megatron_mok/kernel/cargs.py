@@ -12,15 +12,15 @@ class LaunchArrays:
     def __init__(self) -> None:
         self._keep: list[ctypes.Array] = []
 
-    def _array(self, ctype, vals) -> ctypes.c_void_p:
+    def _array(self, ctype, vals) -> int:
         a = (ctype * max(1, len(vals)))(*vals)
         self._keep.append(a)
-        return ctypes.cast(a, ctypes.c_void_p)
+        return ctypes.addressof(a)  # the address for a c_void_p field (ctypes.cast costs ~2x more per launch)
 
-    def u64(self, vals) -> ctypes.c_void_p:
+    def u64(self, vals) -> int:
         """unsigned 64-bit values (device pointers)"""
         return self._array(ctypes.c_ulonglong, vals)
 
-    def i64(self, vals) -> ctypes.c_void_p:
+    def i64(self, vals) -> int:
         """signed 64-bit values (row strides, token counts)"""
         return self._array(ctypes.c_longlong, vals)

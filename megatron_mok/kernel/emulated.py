@@ -144,6 +144,7 @@ _lib: ctypes.CDLL | None = None
 _lib_error: str | None = None
 _ws_cache: dict[int, torch.Tensor] = {}
 _err_cache: dict[int, torch.Tensor] = {}
+_sm_count: dict[int, int] = {}  # per device: its SM count (asked once, not on every launch)
 
 
 def load_library(path: Path | None = None) -> ctypes.CDLL:
@@ -181,6 +182,54 @@ def _check_tensor(t, name, dtype, ndim, device):
         _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.device != device:
         _fail(f"{name} is on {t.device}, expected {device}")
+
+
+def dense_weights_ok(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> bool:
+    """The common case in one cheap pass: lists holds R lists of L contiguous, 16-byte aligned ``dtype``
+    tensors of ``shape`` on ``device``. False means "check in detail" (which names the problem or accepts
+    a strided weight): the per-call host time of a launch is mostly these checks, run for every expert."""
+    if not isinstance(lists, (list, tuple)) or len(lists) != R:
+        return False
+    for per_rank in lists:
+        if not isinstance(per_rank, (list, tuple)) or len(per_rank) != L:
+            return False
+        for t in per_rank:
+            if not (
+                isinstance(t, torch.Tensor)
+                and t.dtype == dtype
+                and t.shape == shape
+                and t.device == device
+                and t.is_contiguous()
+                and t.data_ptr() % 16 == 0
+            ):
+                return False
+    return True
+
+
+def _check_expert_weights(w1, w2, R: int, L: int, H: int, F: int, device) -> None:
+    """bf16 expert weights w1[q][e] [2F, H] / w2[q][e] [H, F]: the detailed checks (first failure named)."""
+    for q in range(R):
+        if (
+            not isinstance(w1[q], (list, tuple))
+            or len(w1[q]) != L
+            or not isinstance(w2[q], (list, tuple))
+            or len(w2[q]) != L
+        ):
+            _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
+        for e in range(L):
+            a, b = w1[q][e], w2[q][e]
+            _check_tensor(a, f"w1[{q}][{e}]", torch.bfloat16, 2, device)
+            _check_tensor(b, f"w2[{q}][{e}]", torch.bfloat16, 2, device)
+            if tuple(a.shape) != (2 * F, H):
+                _fail(f"w1[{q}][{e}] must be [2F, H] = [{2 * F}, {H}], got {tuple(a.shape)}")
+            if tuple(b.shape) != (H, F):
+                _fail(f"w2[{q}][{e}] must be [H, F] = [{H}, {F}], got {tuple(b.shape)}")
+            for n, t in ((f"w1[{q}][{e}]", a), (f"w2[{q}][{e}]", b)):
+                if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+                    _fail(
+                        f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
+                        f"16-byte aligned start (got strides {t.stride()})"
+                    )
 
 
 def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall):
@@ -227,28 +276,11 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
             _fail(f"topk_idx[{r}] and topk_weight[{r}] must be contiguous")
     if K < 1 or K > 64:
         _fail(f"top-k must be in [1, 64], got {K}")
-    for q in range(R):
-        if (
-            not isinstance(w1[q], (list, tuple))
-            or len(w1[q]) != L
-            or not isinstance(w2[q], (list, tuple))
-            or len(w2[q]) != L
-        ):
-            _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
-        for e in range(L):
-            a, b = w1[q][e], w2[q][e]
-            _check_tensor(a, f"w1[{q}][{e}]", torch.bfloat16, 2, device)
-            _check_tensor(b, f"w2[{q}][{e}]", torch.bfloat16, 2, device)
-            if tuple(a.shape) != (2 * F, H):
-                _fail(f"w1[{q}][{e}] must be [2F, H] = [{2 * F}, {H}], got {tuple(a.shape)}")
-            if tuple(b.shape) != (H, F):
-                _fail(f"w2[{q}][{e}] must be [H, F] = [{H}, {F}], got {tuple(b.shape)}")
-            for n, t in ((f"w1[{q}][{e}]", a), (f"w2[{q}][{e}]", b)):
-                if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
-                    _fail(
-                        f"{n} needs unit inner stride, a row stride that is a multiple of 8 elements and a "
-                        f"16-byte aligned start (got strides {t.stride()})"
-                    )
+    if not (
+        dense_weights_ok(w1, R, L, torch.bfloat16, (2 * F, H), device)
+        and dense_weights_ok(w2, R, L, torch.bfloat16, (H, F), device)
+    ):
+        _check_expert_weights(w1, w2, R, L, H, F, device)
     if not isinstance(comm_sms, int) or comm_sms < 0:
         _fail(f"comm_sms must be an int >= 0 (0: pull on the compute SMs' spare warps), got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
@@ -313,6 +345,7 @@ def mok_forward_emulated(
     saved_h=None,
     fp8=None,
     keep: KeptRows | None = None,
+    gpu_events=None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
 
@@ -323,18 +356,25 @@ def mok_forward_emulated(
     epilogue, fp32 accumulation, bf16 outputs); w1 / w2 then only give the shapes.
     keep: optional ``KeptRows`` (R parts, rows >= sum_r T_r * K): the launch keeps the expert input and
     SwiGLU output rows there, for ``mok_backward_emulated(..., kept=keep)`` (bf16 only).
+    gpu_events: optional ``(start, end)`` pair of ``torch.cuda.Event``: recorded on the launch stream just
+    before and after the library enqueues its work (metadata upload, zeroing, kernel), so their elapsed
+    time is the layer's device time without this call's host preparation (which a CUDA-event pair around
+    the whole call includes whenever the GPU was idle when the call began).
     """
     R, L, H, F, K, device = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
     )
     lib = load_library()
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    num_sms, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if lib.mok_device_info(dev, ctypes.byref(num_sms), ctypes.byref(major), ctypes.byref(minor)) != 0:
-        raise MokKernelError("cannot query the CUDA device")
-    cpr = ctas_per_rank or num_sms.value // R
+    n_sms = _sm_count.get(dev)
+    if n_sms is None:
+        num_sms, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if lib.mok_device_info(dev, ctypes.byref(num_sms), ctypes.byref(major), ctypes.byref(minor)) != 0:
+            raise MokKernelError("cannot query the CUDA device")
+        n_sms = _sm_count[dev] = num_sms.value
+    cpr = ctas_per_rank or n_sms // R
     if comm_sms >= cpr:
-        _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {num_sms.value} SMs give {cpr} SMs per rank")
+        _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {n_sms} SMs give {cpr} SMs per rank")
 
     Ts = [int(t.shape[0]) for t in x]
     out = [torch.empty((T, H), dtype=torch.bfloat16, device=device) for T in Ts]
@@ -395,7 +435,11 @@ def mok_forward_emulated(
 
     stream = torch.cuda.current_stream(device)
     ebuf = ctypes.create_string_buffer(1024)
+    if gpu_events is not None:
+        gpu_events[0].record(stream)
     rc = lib.mok_forward_emulated_launch(ctypes.byref(args), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024)
+    if gpu_events is not None:
+        gpu_events[1].record(stream)
     if rc != 0:
         raise MokKernelError(f"MoK launch failed: {ebuf.value.decode(errors='replace')}")
     if keep is not None:
