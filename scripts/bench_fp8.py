@@ -130,6 +130,17 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
         variants["bf16_ab"] = lambda ev, kwa=kwa: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwa
         )
+    graphs = {}  # kind -> (graph, its outputs), kept alive for the rounds
+    if args.graphs:  # each kernel captured once in a CUDA graph and replayed: no host preparation per call
+        for kind in ("bf16", "fp8"):
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    got = variants[kind](None)
+                graphs[kind] = (g, got[0][0])
+                variants[f"{kind}_graph"] = lambda ev, g=g: (ev[0].record(), g.replay(), ev[1].record())
+            except Exception as exc:  # report and go on without it
+                print(f"  {kind}: CUDA graph capture failed: {type(exc).__name__}: {exc}", flush=True)
     keys = ["dense", *variants]
     call: dict[str, list[float]] = {k: [] for k in keys}
     dev: dict[str, list[float]] = {k: [] for k in keys}
@@ -148,6 +159,11 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
             dev[key].append(d)
     mk.check_last_error()
     sampler.close()
+    for kind, (g, out_g) in graphs.items():  # the replays computed the layer (eager launches ran between them)
+        g.replay()
+        same = torch.equal(out_g, variants[kind](None)[0][0])
+        res.setdefault("graph_replay_equals_eager", {})[kind] = same
+        print(f"  {kind} CUDA graph replay == eager call (bitwise): {same}", flush=True)
     for key, ws in spans.items():  # mean SM clock / power while each variant ran (nvidia-smi samples)
         got = [v for v in (sampler.window(a, b) for a, b in ws) if v is not None]
         if got:
@@ -216,6 +232,22 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
         f"1.4x) | dense {med(call['dense']):.3f} bf16 {med(call['bf16']):.3f} fp8 {med(call['fp8']):.3f} ms",
         flush=True,
     )
+    if "bf16_graph" in variants and "fp8_graph" in variants:
+        gfrac, glo, ghi = ratios(call["dense"], call["bf16_graph"])
+        gspd, gslo, gshi = ratios(call["bf16_graph"], call["fp8_graph"])
+        res["interleaved"].update(
+            bf16_graph_ms=call["bf16_graph"],
+            fp8_graph_ms=call["fp8_graph"],
+            bf16_of_dense_graph=gfrac,
+            fp8_speedup_graph=gspd,
+        )
+        print(
+            f"SUMMARY {name} interleaved, per call of a CUDA graph replay (each kernel captured once): bf16 = "
+            f"{gfrac * 100:.1f}% of dense bf16 (rounds {glo * 100:.1f}-{ghi * 100:.1f}%, target 85%) | fp8 -> "
+            f"{gspd:.2f}x bf16 (rounds {gslo:.2f}-{gshi:.2f}, target 1.4x) | bf16 {med(call['bf16_graph']):.3f} "
+            f"fp8 {med(call['fp8_graph']):.3f} ms",
+            flush=True,
+        )
     print(
         f"SUMMARY {name} interleaved, device time (the layer's enqueued work): bf16 = {dfrac * 100:.1f}% of dense "
         f"bf16 (rounds {dflo * 100:.1f}-{dfhi * 100:.1f}%, target 85%) | fp8 -> {dspd:.2f}x bf16 (rounds "
@@ -427,6 +459,12 @@ def main() -> int:
     )
     ap.add_argument("--ab-env-kinds", default="bf16,fp8", help="which kernels the --ab-env variants run")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one call per kernel")
+    ap.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="interleaved rounds: also each kernel captured in a CUDA graph, timed per replay",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep-comm", type=lambda v: [int(c) for c in v.split(",") if c], default=[])
     ap.add_argument("--sweep-mb", type=lambda v: [int(c) for c in v.split(",") if c], default=[2560])

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <vector>
 
+#include "param_upload.cuh"
+
 namespace mok_host {
 
 inline size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -170,21 +172,38 @@ inline const char* acquire_staging(size_t bytes, StagingBuf** out) {
 
 // One launch's hold on a staging buffer (the launchers' `stg`): acquire, fill, upload (the H2D copy +
 // `done`); on every return path the buffer goes back to the pool, reused once `done` has completed.
+// A launch captured into a CUDA graph fills a host buffer of its own instead and uploads it through
+// kernel parameters (param_upload.cuh): a graph's memcpy node would read its pinned source again on every
+// replay, long after this launch returned the buffer to the pool and later launches refilled it.
 class StagingLease {
  public:
   StagingLease() = default;
   StagingLease(const StagingLease&) = delete;
   StagingLease& operator=(const StagingLease&) = delete;
   ~StagingLease() {
-    if (!buf_) return;
+    if (!buf_ || captured_) return;
     std::lock_guard<std::mutex> lock(staging_mutex());
     buf_->busy = false;
   }
-  const char* acquire(size_t bytes) { return acquire_staging(bytes, &buf_); }
+  const char* acquire(size_t bytes, cudaStream_t stream) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &st) != cudaSuccess) return "cudaStreamIsCapturing failed";
+    if (st == cudaStreamCaptureStatusInvalidated) return "the stream's CUDA graph capture was invalidated";
+    if (st == cudaStreamCaptureStatusActive) {
+      captured_ = true;
+      scratch_.assign(bytes, 0);
+      graph_buf_.host = scratch_.data();
+      graph_buf_.cap = bytes;
+      buf_ = &graph_buf_;
+      return nullptr;
+    }
+    return acquire_staging(bytes, &buf_);
+  }
   StagingBuf* operator->() const { return buf_; }
   // The copy of the first `bytes` to dst on `stream`, then `done`. If the copy was enqueued but `done`
   // could not be recorded, the buffer is never reused (its copy may still be reading it).
   cudaError_t upload(void* dst, size_t bytes, cudaStream_t stream) {
+    if (captured_) return upload_by_kernel_params(dst, buf_->host, bytes, stream);
     cudaError_t e = cudaMemcpyAsync(dst, buf_->host, bytes, cudaMemcpyHostToDevice, stream);
     if (e != cudaSuccess) return e;
     e = cudaEventRecord(buf_->done, stream);
@@ -197,6 +216,9 @@ class StagingLease {
 
  private:
   StagingBuf* buf_ = nullptr;
+  bool captured_ = false;
+  StagingBuf graph_buf_;          // a captured launch's buffer: scratch_ below
+  std::vector<uint8_t> scratch_;  // its bytes, copied into the graph's kernel parameters by upload()
 };
 
 }  // namespace mok_host

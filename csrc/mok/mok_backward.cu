@@ -309,7 +309,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   const size_t hbytes = ws.layout;  // tensor maps + rank tables
   StagingLease stg;
-  if (const char* msg = stg.acquire(hbytes)) return write_err(errbuf, errlen, "%s", msg);
+  if (const char* msg = stg.acquire(hbytes, stream)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, hbytes);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
@@ -585,7 +585,7 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
     return write_err(errbuf, errlen, "wgrad workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
   const int np = a->np, L = a->L, H = a->H, F = a->F;
   StagingLease stg;
-  if (const char* msg = stg.acquire(ws.ticket)) return write_err(errbuf, errlen, "%s", msg);
+  if (const char* msg = stg.acquire(ws.ticket, stream)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.ticket);
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);

@@ -330,7 +330,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
   // (host_launch.h), so the copy is truly asynchronous and no launch waits for an earlier one's copy.
   StagingLease stg;
-  if (const char* msg = stg.acquire(ws.ring)) return write_err(errbuf, errlen, "%s", msg);
+  if (const char* msg = stg.acquire(ws.ring, stream)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.ring);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
@@ -580,7 +580,7 @@ int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf,
   if (ws.num_mtiles == 0) return 0;  // no rows: nothing to write
   if (!a->xq || !a->xs || !a->out) return write_err(errbuf, errlen, "fp8 gemm: x / scales / out pointer is null");
   StagingLease stg;
-  if (const char* msg = stg.acquire(ws.total)) return write_err(errbuf, errlen, "%s", msg);
+  if (const char* msg = stg.acquire(ws.total, stream)) return write_err(errbuf, errlen, "%s", msg);
   uint8_t* host = stg->host;
   memset(host, 0, ws.total);
   CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);

@@ -34,7 +34,7 @@ import torch
 from . import build as _build
 from .availability import KernelAvailability
 from .cargs import LaunchArrays
-from .emulated import _lazy_checker, dense_weights_ok
+from .emulated import _lazy_checker, capture_check, dense_weights_ok, refuse_capture
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 LIB_NAME = "libmok_backward"
@@ -509,7 +509,7 @@ def weight_grads_kernel(
     stream = torch.cuda.current_stream(device)
     if lib.mok_wgrad_launch(ctypes.byref(a), ctypes.c_void_p(stream.cuda_stream), ebuf, 1024) != 0:
         raise MokKernelError(f"MoK wgrad launch failed: {ebuf.value.decode(errors='replace')}")
-    if own_record:
+    if own_record and capture_check("lazy", WHO):  # captured: the record is read after a replay instead
         _lazy_checker(dev).after_launch(err, stream, R=parts, L=L, timeout_ms=timeout_ms, fmt=_error_message)
     return gw1, gw2
 
@@ -572,6 +572,11 @@ def mok_backward_emulated(
     kept: the ``KeptRows`` of the matching ``mok_forward_emulated(..., keep=...)``: xl (and with saved_h
     act) are read there (layout order, whatever the two minibatches), so the comm SMs pull only grad_out.
     """
+    check = capture_check(check, "mok_backward_emulated")
+    if timeline is not None:
+        refuse_capture("a timeline launch", "its event buffer is read back after each launch")
+    if wgrad == "mm":
+        refuse_capture("mok_backward_emulated(wgrad='mm')", "it reads the per-expert row counts on the host")
     if not isinstance(x, (list, tuple)) or not x:
         _fail("x must be a non-empty list of per-rank tensors")
     R = len(x)
@@ -826,6 +831,7 @@ def mok_backward_rank(
     dgrad, as in :func:`mok_backward_emulated`. kept: the one-part ``KeptRows`` of this rank's matching
     ``mok_forward_rank(..., keep=...)``: xl (and with saved_h act) are read there, only grad_out is pulled.
     """
+    refuse_capture("mok_backward_rank", "each launch meets its peers under a new epoch, which a replay would repeat")
     WHO = "mok_backward_rank"
 
     def fail(msg: str) -> None:

@@ -173,6 +173,32 @@ def _fail(msg: str) -> None:
     raise ValueError(f"mok_forward_emulated: {msg}")
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_check(check, who: str):
+    """The error check a launch can run. While the current stream captures a CUDA graph the host can
+    neither synchronise (check=True) nor poll the lazy reader's events: ``"lazy"`` becomes no check (a
+    captured launch still writes its error record on every replay; read it with ``check_last_error()``
+    after one), True is an error naming the fix."""
+    if check and capturing():
+        if check == "lazy":
+            return False
+        raise ValueError(
+            f"{who}: check=True synchronises the host, which CUDA graph capture forbids: capture with "
+            "check='lazy' or check=False and call megatron_mok.kernel.check_last_error() after a replay"
+        )
+    return check
+
+
+def refuse_capture(who: str, why: str) -> None:
+    """A clear error for a launch that a CUDA graph cannot replay correctly."""
+    if capturing():
+        raise ValueError(f"{who} cannot be captured in a CUDA graph: {why}")
+
+
 def _check_tensor(t, name, dtype, ndim, device):
     if not isinstance(t, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -364,6 +390,9 @@ def mok_forward_emulated(
     R, L, H, F, K, device = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
     )
+    check = capture_check(check, "mok_forward_emulated")
+    if timeline is not None:
+        refuse_capture("a timeline launch", "its event buffer is read back after each launch")
     lib = load_library()
     dev = device.index if device.index is not None else torch.cuda.current_device()
     n_sms = _sm_count.get(dev)

@@ -38,6 +38,7 @@ from .emulated import (
     _error_message,
     _lazy_checker,
     load_library,
+    refuse_capture,
     set_expert_weights,
 )
 from .errors import MokKernelError, raise_recorded_error
@@ -187,6 +188,7 @@ def mok_forward_rank(
     keep: optional ``KeptRows`` with one part (rows: the owner capacity, as saved_h's): this rank's expert
     input and SwiGLU output rows stay there, for ``mok_backward_rank(..., kept=keep)`` (bf16 only).
     """
+    refuse_capture("mok_forward_rank", "each launch meets its peers under a new epoch, which a replay would repeat")
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
     H, K = reg.hidden, reg.topk
