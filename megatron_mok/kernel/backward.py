@@ -34,7 +34,7 @@ import torch
 from . import build as _build
 from .availability import KernelAvailability
 from .cargs import LaunchArrays
-from .emulated import _lazy_checker, capture_check, dense_weights_ok, refuse_capture
+from .emulated import _lazy_checker, capture_check, dense_weights_ok, launch_workspace, refuse_capture
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 LIB_NAME = "libmok_backward"
@@ -713,11 +713,7 @@ def mok_backward_emulated(
     nbytes = lib.mok_bwd_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")
-    ws = _ws_cache.get(dev)
-    if ws is None or ws.numel() < nbytes:
-        _ws_cache.pop(dev, None)
-        ws = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
-        _ws_cache[dev] = ws
+    ws = launch_workspace(_ws_cache, dev, nbytes, device)
     err = _err_cache.get(dev)
     if err is None:
         err = torch.zeros((16,), dtype=torch.int32, device=device)

@@ -193,6 +193,24 @@ def capture_check(check, who: str):
     return check
 
 
+def launch_workspace(cache: dict[int, torch.Tensor], dev: int, nbytes: int, device) -> torch.Tensor:
+    """The device workspace of one launch (at least ``nbytes``).
+
+    Eager launches share one cached buffer per device, grown when a launch needs more (stream-ordered: the
+    caching allocator frees the old one after the launches queued on it). A launch being captured into a
+    CUDA graph gets a buffer of its own from the graph's private pool instead: the graph's kernel node keeps
+    its address for every replay, so the buffer must neither be freed when a later eager launch grows the
+    cache nor be rewritten by eager launches (or another graph's replays) queued between two replays."""
+    if capturing():
+        return torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
+    ws = cache.get(dev)
+    if ws is None or ws.numel() < nbytes:
+        cache.pop(dev, None)
+        ws = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
+        cache[dev] = ws
+    return ws
+
+
 def refuse_capture(who: str, why: str) -> None:
     """A clear error for a launch that a CUDA graph cannot replay correctly."""
     if capturing():
@@ -437,11 +455,7 @@ def mok_forward_emulated(
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
         _fail("invalid sizes (rejected by the library)")
-    ws = _ws_cache.get(dev)
-    if ws is None or ws.numel() < nbytes:
-        _ws_cache.pop(dev, None)
-        ws = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
-        _ws_cache[dev] = ws
+    ws = launch_workspace(_ws_cache, dev, nbytes, device)
     err = _err_cache.get(dev)
     if err is None:
         err = torch.zeros((16,), dtype=torch.int32, device=device)

@@ -76,6 +76,33 @@ def test_forward_graph_replays_equal_eager_calls(kernel, R, dtype):
     kernel.check_last_error()
 
 
+def test_forward_graph_keeps_its_workspace_when_eager_calls_grow_theirs(kernel):
+    """Eager launches share one cached workspace, reallocated when a launch needs more; a captured launch
+    must not be on it: here a larger eager call frees the cached buffer after the capture and new
+    allocations filled with garbage take its memory before the replay."""
+    L, H, F, K = 3, 512, 256, 4
+    x, idx, wts, w1, w2 = _inputs(1, L, H, F, K, [300], seed=21)
+    kw = dict(KW, minibatch_tokens=128)  # a small workspace at capture
+
+    ref_out, ref_comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    ref_out, ref_comb = [t.clone() for t in ref_out], [t.clone() for t in ref_comb]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, check="lazy", **kw)
+    big = _inputs(1, 4, 1024, 512, 8, [2000], seed=22)  # needs a larger workspace: the cache grows
+    kernel.mok_forward_emulated(*big, **dict(KW, minibatch_tokens=1024, ring_slots=3))
+    torch.cuda.synchronize()
+    # new allocations of every size class take the freed memory
+    junk = [
+        torch.full((n,), float("nan"), device="cuda") for n in (1 << 14, 1 << 16, 1 << 18, 1 << 20) for _ in range(16)
+    ]
+    g.replay()
+    torch.cuda.synchronize()
+    kernel.check_last_error()
+    assert torch.equal(out[0], ref_out[0]) and torch.equal(comb[0], ref_comb[0])
+    assert all(bool(torch.isnan(j).all()) for j in junk), "the replay wrote into memory it does not own"
+
+
 def test_backward_graph_replay_equals_eager_call(kernel, bk):
     R, L, H, F, K = 2, 2, 512, 256, 4
     Ts = [300, 200]
