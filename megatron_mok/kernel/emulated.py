@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import weight_memo
 from .cargs import LaunchArrays
 from .errors import MokKernelError, format_error, raise_recorded_error
 
@@ -228,26 +229,33 @@ def _check_tensor(t, name, dtype, ndim, device):
         _fail(f"{name} is on {t.device}, expected {device}")
 
 
-def dense_weights_ok(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> bool:
+def dense_weight_pointers(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> tuple[int, ...] | None:
     """The common case in one cheap pass: lists holds R lists of L contiguous, 16-byte aligned ``dtype``
-    tensors of ``shape`` on ``device``. False means "check in detail" (which names the problem or accepts
-    a strided weight): the per-call host time of a launch is mostly these checks, run for every expert."""
-    if not isinstance(lists, (list, tuple)) or len(lists) != R:
-        return False
-    for per_rank in lists:
-        if not isinstance(per_rank, (list, tuple)) or len(per_rank) != L:
-            return False
-        for t in per_rank:
-            if not (
-                isinstance(t, torch.Tensor)
-                and t.dtype == dtype
-                and t.shape == shape
-                and t.device == device
-                and t.is_contiguous()
-                and t.data_ptr() % 16 == 0
-            ):
-                return False
-    return True
+    tensors of ``shape`` on ``device``; their data pointers (rank-major), or None for "check in detail"
+    (which names the problem or accepts a strided weight). The per-call host time of a launch was mostly
+    these checks, run for every expert: a passed pass is remembered for the same tensors at the same
+    addresses (weight_memo.py)."""
+    flat = weight_memo.flatten(lists, R, L)
+    if flat is None:
+        return None
+
+    def dense(ts) -> bool:
+        return all(
+            isinstance(t, torch.Tensor)
+            and t.dtype == dtype
+            and t.shape == shape
+            and t.device == device
+            and t.is_contiguous()
+            and t.data_ptr() % 16 == 0
+            for t in ts
+        )
+
+    return weight_memo.checked_pointers(flat, (dtype, tuple(shape), device), dense)
+
+
+def dense_weights_ok(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> bool:
+    """``dense_weight_pointers`` as a yes / no."""
+    return dense_weight_pointers(lists, R, L, dtype, shape, device) is not None
 
 
 def _check_expert_weights(w1, w2, R: int, L: int, H: int, F: int, device) -> None:
@@ -346,8 +354,18 @@ def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H
     w1 / w2) the e4m3 copies and their scales."""
     ranks = list(ranks)
     nranks = len(w1)
+
+    def of_ranks(ptrs: tuple[int, ...]) -> list[int]:  # rank-major R x L -> this launch's ranks
+        return [p for q in ranks for p in ptrs[q * L : (q + 1) * L]]
+
     if fp8 is None:
         args.fp8 = 0
+        p1 = dense_weight_pointers(w1, nranks, L, torch.bfloat16, (2 * F, H), device)
+        p2 = dense_weight_pointers(w2, nranks, L, torch.bfloat16, (H, F), device)
+        if p1 is not None and p2 is not None:  # contiguous: row strides H and F
+            args.w1, args.w2 = arrays.u64(of_ranks(p1)), arrays.u64(of_ranks(p2))
+            args.w1_ld, args.w2_ld = arrays.i64([H] * (len(ranks) * L)), arrays.i64([F] * (len(ranks) * L))
+            return
         args.w1 = arrays.u64([w1[q][e].data_ptr() for q in ranks for e in range(L)])
         args.w1_ld = arrays.i64([w1[q][e].stride(0) for q in ranks for e in range(L)])
         args.w2 = arrays.u64([w2[q][e].data_ptr() for q in ranks for e in range(L)])
@@ -357,14 +375,14 @@ def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H
 
     if not isinstance(fp8, Fp8ExpertWeights):
         _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.fp8_weights), got {type(fp8).__name__}")
-    fp8.validate(nranks, L, H, F, device)
+    ptrs = fp8.validate(nranks, L, H, F, device)
     args.fp8 = 1
-    args.w1 = arrays.u64([fp8.w1q[q][e].data_ptr() for q in ranks for e in range(L)])
-    args.w1_ld = arrays.i64([H for _ in ranks for _ in range(L)])
-    args.w2 = arrays.u64([fp8.w2q[q][e].data_ptr() for q in ranks for e in range(L)])
-    args.w2_ld = arrays.i64([F for _ in ranks for _ in range(L)])
-    args.w1s = arrays.u64([fp8.w1s[q][e].data_ptr() for q in ranks for e in range(L)])
-    args.w2s = arrays.u64([fp8.w2s[q][e].data_ptr() for q in ranks for e in range(L)])
+    args.w1 = arrays.u64(of_ranks(ptrs["w1q"]))
+    args.w1_ld = arrays.i64([H] * (len(ranks) * L))
+    args.w2 = arrays.u64(of_ranks(ptrs["w2q"]))
+    args.w2_ld = arrays.i64([F] * (len(ranks) * L))
+    args.w1s = arrays.u64(of_ranks(ptrs["w1s"]))
+    args.w2s = arrays.u64(of_ranks(ptrs["w2s"]))
 
 
 def _error_message(err: list[int], R: int, L: int, timeout_ms: float) -> str:

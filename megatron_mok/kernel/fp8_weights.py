@@ -123,15 +123,16 @@ class Fp8ExpertWeights:
             },
         )
 
-    def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
-        """R owner ranks of L experts each, fc1 [2F, H] / fc2 [H, F]: shapes, dtypes, placement."""
+    def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> dict[str, tuple[int, ...]]:
+        """R owner ranks of L experts each, fc1 [2F, H] / fc2 [H, F]: shapes, dtypes, placement. Returns the
+        data pointers of w1q / w1s / w2q / w2s (rank-major)."""
 
         def fail(msg: str) -> None:
             raise ValueError(f"fp8 expert weights: {msg}")
 
         if H % fp8.BLOCK or F % fp8.BLOCK:
             fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of {fp8.BLOCK} for block scales")
-        self._check(
+        return self._check(
             R,
             L,
             device,
@@ -143,11 +144,15 @@ class Fp8ExpertWeights:
             },
         )
 
-    def _check(self, R: int, L: int, device: torch.device, shapes: dict) -> None:
-        from .emulated import dense_weights_ok
+    def _check(self, R: int, L: int, device: torch.device, shapes: dict) -> dict[str, tuple[int, ...]]:
+        """Each list of ``shapes`` (name -> (shape, dtype)) checked; their data pointers by name."""
+        from .emulated import dense_weight_pointers
 
-        if all(dense_weights_ok(getattr(self, n), R, L, dt, shape, device) for n, (shape, dt) in shapes.items()):
-            return  # the common case, one cheap pass (this runs on every launch)
+        ptrs = {
+            n: dense_weight_pointers(getattr(self, n), R, L, dt, shape, device) for n, (shape, dt) in shapes.items()
+        }
+        if all(p is not None for p in ptrs.values()):
+            return ptrs  # the common case, one cheap pass (this runs on every launch; remembered per tensors)
 
         def fail(msg: str) -> None:
             raise ValueError(f"fp8 expert weights: {msg}")
@@ -164,6 +169,7 @@ class Fp8ExpertWeights:
                         fail(f"{name}[{q}][{e}] must be {dtype} {list(shape)}, got {got}")
                     if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
                         fail(f"{name}[{q}][{e}] must be a contiguous, 16-byte aligned tensor on {device}")
+        fail(f"{', '.join(shapes)} must each be a list of {R} lists of {L} tensors")
 
 
 class Fp8WeightCache:
