@@ -346,29 +346,26 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
       return write_err(errbuf, errlen, "fp8 expert %d: null weight or scale pointer", rank0 * L + g);
     wsc[2 * g] = reinterpret_cast<const float*>(a->w1s[g]);
     wsc[2 * g + 1] = reinterpret_cast<const float*>(a->w2s[g]);
-    char what[64];
-    snprintf(what, sizeof(what), "fp8 w1[expert %d] gate", rank0 * L + g);
-    if (!encode_2d_u8(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols, errbuf, errlen, what))
+    const int ge = rank0 * L + g;  // global expert index (error text)
+    if (!encode_2d_u8(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols, errbuf, errlen,
+                      "fp8 w1 gate", ge))
       return 1;
-    snprintf(what, sizeof(what), "fp8 w1[expert %d] up", rank0 * L + g);
     if (!encode_2d_u8(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols,
-                      errbuf, errlen, what))
+                      errbuf, errlen, "fp8 w1 up", ge))
       return 1;
-    snprintf(what, sizeof(what), "fp8 w2[expert %d]", rank0 * L + g);
-    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, what)) return 1;
+    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, "fp8 w2", ge))
+      return 1;
   }
   for (int g = 0; !a->fp8 && g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
     const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
     const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
-    char what[64];
-    snprintf(what, sizeof(what), "w1[expert %d] gate", rank0 * L + g);
-    if (!encode_2d(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols, errbuf, errlen, what)) return 1;
-    snprintf(what, sizeof(what), "w1[expert %d] up", rank0 * L + g);
-    if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
-                   errbuf, errlen, what))
+    const int ge = rank0 * L + g;  // global expert index (error text)
+    if (!encode_2d(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols, errbuf, errlen, "w1 gate", ge))
       return 1;
-    snprintf(what, sizeof(what), "w2[expert %d]", rank0 * L + g);
-    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, what)) return 1;
+    if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
+                   errbuf, errlen, "w1 up", ge))
+      return 1;
+    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, "w2", ge)) return 1;
   }
   for (int p = 0; a->fp8 && p < np; ++p) {
     const uint8_t* ring = wsp + ws.ring + (size_t)p * S * SR * H;
