@@ -39,13 +39,14 @@ struct ComputeSmem {
   uint64_t* empty;
   uint64_t* info_full;
   uint64_t* info_empty;
+  uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
   TileInfo* info;
   int* off;
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
-  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
+  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
          (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + 64;
 }
 
@@ -56,7 +57,8 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.empty = s.full + kStages;
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
-  s.info = reinterpret_cast<TileInfo*>(s.info_empty + 2);
+  s.issued = s.info_empty + 2;
+  s.info = reinterpret_cast<TileInfo*>(s.issued + kStages);
   s.off = reinterpret_cast<int*>(s.info + 2);
   s.pull_flag = s.off + MOK_MAX_LOCAL_EXPERTS + 1;  // inside compute_smem_bytes' 64 spare bytes
   return s;
@@ -270,7 +272,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      });
+      }, P.fp8_issue_order ? sm.issued : nullptr);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -393,6 +395,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&sm.full[s], 1);
       Barrier::init(&sm.empty[s], 2);
+      Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);

@@ -24,6 +24,14 @@ namespace mok {
 // the tensor cores busy meanwhile.
 // after_issue(kb) runs once block kb's group is in flight (held counter releases are flushed there, see
 // deferred_release.cuh; the forward's fc2 tiles resolve their push rows at block 1).
+//
+// issued (optional, kStages mbarriers of 4 arrivals; nullptr = off): the second warpgroup issues a stage's
+// group only after the first one's four warps have issued theirs on the same stage. Both warpgroups wait
+// for the same stage, so unordered they issue together, the tensor cores interleave the two groups, both
+// land at once and both drain and rescale while the tensor cores idle; ordered, the first group lands while
+// the second still runs and the first warpgroup's rescale hides behind it. The barrier's phase moves with
+// the stage's (the first warpgroup can be at most the ring ahead: a stage is refilled only once both have
+// released it), so the stage ring's phase bit `ph` is its phase too.
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
@@ -31,7 +39,7 @@ template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
-                                              Hook after_issue = Hook{}) {
+                                              Hook after_issue = Hook{}, uint64_t* issued = nullptr) {
   const int lt = threadIdx.x & 127;
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   int prev = 0;
@@ -54,6 +62,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
     }
     mbar_wait(P, &sm.full[st], ph, q, 4);
+    if (issued != nullptr && wgc == 1) mbar_wait(P, &issued[st], ph, q, 7);  // after the first warpgroup's group
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
     const uint64_t da = make_smem_desc_sw128(a_s);
@@ -64,6 +73,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     for (int kk = 0; kk < kBKf8 / 32; ++kk)
       wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
+    if (issued != nullptr && wgc == 0 && (lt & 31) == 0) Barrier::arrive(&issued[st]);  // this warp's part issued
     after_issue(kb);
     pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;

@@ -91,20 +91,28 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
 
 @pytest.mark.parametrize("comm", [2, 0])
 def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
-    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS) or lock-step consumers
-    (MOK_CONSUMER_SYNC) change only timing."""
+    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS), lock-step consumers
+    (MOK_CONSUMER_SYNC) or ordered issue of the two warpgroups' groups (MOK_FP8_ISSUE_ORDER, also with
+    both others) change only timing."""
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
     x, idx, wts, w1, w2 = _inputs(2, 3, 512, 384, 4, [700, 301], "skewed", seed=77)
     q8 = quantize_expert_weights(w1, w2)
     kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=128, fp8=q8)
     o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-    for key, val in (("MOK_CONSUMER_LEAD_NS", "1500"), ("MOK_CONSUMER_SYNC", "1")):
-        monkeypatch.setenv(key, val)
+    for env in (
+        {"MOK_CONSUMER_LEAD_NS": "1500"},
+        {"MOK_CONSUMER_SYNC": "1"},
+        {"MOK_FP8_ISSUE_ORDER": "1"},
+        {"MOK_FP8_ISSUE_ORDER": "1", "MOK_CONSUMER_SYNC": "1", "MOK_CONSUMER_LEAD_NS": "1500"},
+    ):
+        for key, val in env.items():
+            monkeypatch.setenv(key, val)
         o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-        monkeypatch.delenv(key)
+        for key in env:
+            monkeypatch.delenv(key)
         for r in range(2):
-            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{key}={val}, rank {r}"
+            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{env}, rank {r}"
 
 
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):
