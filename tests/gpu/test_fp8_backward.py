@@ -162,3 +162,30 @@ def test_fp8_backward_bad_inputs_are_clear_errors(kernel, bk):
     bad.w2tq[0][1] = bad.w2tq[0][1][:128].contiguous()
     with pytest.raises(ValueError, match=r"w2tq\[0\]\[1\]"):
         bk.mok_backward_emulated(x, x, [i], [w], comb, w1, w2, saved_h=saved, fp8=bad, **kw)
+
+
+def test_fp8_backward_ordered_issue_gives_identical_results(kernel, bk, monkeypatch):
+    """Ordered issue of the two consumer warpgroups' groups in the FP8 dgrad (MOK_FP8_ISSUE_ORDER) changes
+    only timing: every gradient bit for bit."""
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    R, L, H, F, K, Ts = 2, 3, 512, 384, 4, [300, 211]
+    x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, "skewed", 31)
+    q8 = quantize_expert_weights(w1, w2, transposed=True)
+    rows = sum(Ts) * K
+    saved = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
+    kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256)
+    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
+
+    def grads():
+        return bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, **kw)
+
+    ref = grads()
+    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "1")
+    got = grads()
+    for a, b in zip(ref, got):
+        for r in range(R):
+            if isinstance(a[r], (list, tuple)):
+                assert all(torch.equal(u, v) for u, v in zip(a[r], b[r]))
+            else:
+                assert torch.equal(a[r], b[r])

@@ -55,12 +55,13 @@ struct BSmem {
   uint64_t* empty;
   uint64_t* info_full;
   uint64_t* info_empty;
+  uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
   BTile* info;
   int* off;
 };
 
 __host__ __device__ constexpr int bwd_compute_smem_bytes() {
-  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
+  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
          64;
 }
 
@@ -71,7 +72,8 @@ __device__ __forceinline__ BSmem bwd_carve(uint8_t* smem) {
   s.empty = s.full + kStages;
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
-  s.info = reinterpret_cast<BTile*>(s.info_empty + 2);
+  s.issued = s.info_empty + 2;
+  s.info = reinterpret_cast<BTile*>(s.issued + kStages);
   s.off = reinterpret_cast<int*>(s.info + 2);
   return s;
 }
@@ -478,7 +480,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      });
+      }, B.fp8_issue_order ? sm.issued : nullptr);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
@@ -641,6 +643,7 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&sm.full[s], 1);
       Barrier::init(&sm.empty[s], 2);
+      Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);
