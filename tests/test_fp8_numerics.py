@@ -112,3 +112,28 @@ def test_swiglu_backward_matches_autograd():
     d = torch.randn(7, 128, generator=g, dtype=torch.float64)
     (torch.nn.functional.silu(h[:, :128]) * h[:, 128:]).backward(d)
     torch.testing.assert_close(fp8.swiglu_backward(h.detach(), d).double(), h.grad)
+
+
+def test_fp8_expert_set_is_handed_back_until_a_weight_or_a_step_changes():
+    """Fp8WeightCache.experts keeps its whole answer for the same weights; any change asks again."""
+    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+
+    w1 = [[torch.randn(256, 128) for _ in range(2)]]
+    w2 = [[torch.randn(128, 128) for _ in range(2)]]
+    cache = Fp8WeightCache()
+    a = cache.experts(w1, w2)
+    assert cache.experts([list(w1[0])], [list(w2[0])]) is a  # new lists, same tensors: the same answer
+    t = cache.experts(w1, w2, transposed=True)
+    assert t is not a and t.w1tq is not None and cache.experts(w1, w2, transposed=True) is t
+    weights_changed()  # an optimizer step
+    b = cache.experts(w1, w2)
+    assert b is not a
+    with torch.no_grad():
+        w2[0][1].add_(1.0)  # an in-place update outside a step: its version moves
+    c = cache.experts(w1, w2)
+    assert c is not b and c.w1q[0][0] is b.w1q[0][0]  # only the changed weight was quantised again
+    torch.testing.assert_close(c.w2s[0][1], fp8.quantize_weight_128x128(w2[0][1])[1])
+    w1[0][0] = torch.randn(256, 128)  # another tensor
+    d = cache.experts(w1, w2)
+    assert d is not c
+    torch.testing.assert_close(d.w1s[0][0], fp8.quantize_weight_128x128(w1[0][0])[1])
