@@ -14,7 +14,7 @@ import torch
 
 from megatron_mok.kernel import weight_memo
 from megatron_mok.kernel.cargs import LaunchArrays
-from megatron_mok.kernel.emulated import set_expert_weights
+from megatron_mok.kernel.emulated import dense_weight_pointers, set_expert_weights
 from megatron_mok.kernel.fp8_weights import Fp8ExpertWeights
 
 CPU = torch.device("cpu")
@@ -157,3 +157,12 @@ def _u64(addr: int, n: int) -> list[int]:
 
 def _i64(addr: int, n: int) -> list[int]:
     return list((ctypes.c_longlong * n).from_address(addr))
+
+
+def test_an_in_place_metadata_change_is_checked_again():
+    """t_() keeps the object and its address but bumps its version: the memo must not say "dense"."""
+    w1 = [[torch.randn((2 * F, 2 * F)).bfloat16() for _ in range(L)] for _ in range(R)]  # square: t_() fits
+    shape = (2 * F, 2 * F)
+    assert dense_weight_pointers(w1, R, L, torch.bfloat16, shape, CPU) is not None
+    w1[1][1].t_()  # same shape, column-major now
+    assert dense_weight_pointers(w1, R, L, torch.bfloat16, shape, CPU) is None

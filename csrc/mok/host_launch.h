@@ -82,7 +82,7 @@ class TmapMemo {
   }
 
  private:
-  static constexpr size_t kSlots = 4096;
+  static constexpr size_t kSlots = 16384;  // ~3 MB: the weight maps of a large model's every MoE layer
   struct Slot {
     bool used = false;
     TmapKey key{};
@@ -93,7 +93,10 @@ class TmapMemo {
     uint64_t h = reinterpret_cast<uintptr_t>(k.ptr) * 0x9E3779B97F4A7C15ull;
     const uint64_t vs[5] = {k.inner, k.outer, k.ld, (uint64_t)k.box_inner << 32 | k.box_outer, (uint64_t)k.dtype};
     for (uint64_t v : vs) h = (h ^ v) * 0x100000001B3ull;
-    return slots_[(h >> 20) % kSlots];
+    h ^= h >> 33;  // final mix: every input bit reaches the slot index
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    return slots_[h % kSlots];
   }
   std::mutex mu_;
   std::vector<Slot> slots_;

@@ -174,9 +174,15 @@ def _fail(msg: str) -> None:
     raise ValueError(f"mok_forward_emulated: {msg}")
 
 
-def capturing() -> bool:
-    """Whether the current CUDA stream is capturing a CUDA graph (False without CUDA)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def capturing(device=None) -> bool:
+    """Whether the current CUDA stream (of ``device``, default the current device) is capturing a CUDA
+    graph (False without CUDA)."""
+    if not torch.cuda.is_available():
+        return False
+    if device is not None and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
 
 
 def capture_check(check, who: str):
@@ -202,7 +208,7 @@ def launch_workspace(cache: dict[int, torch.Tensor], dev: int, nbytes: int, devi
     CUDA graph gets a buffer of its own from the graph's private pool instead: the graph's kernel node keeps
     its address for every replay, so the buffer must neither be freed when a later eager launch grows the
     cache nor be rewritten by eager launches (or another graph's replays) queued between two replays."""
-    if capturing():
+    if capturing(device):
         return torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
     ws = cache.get(dev)
     if ws is None or ws.numel() < nbytes:

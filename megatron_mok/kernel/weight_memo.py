@@ -7,9 +7,9 @@ millisecond per call on the H200's host, a few percent of a DeepSeek-V3 slice's 
 GPU waits for the launch (``scripts/host_overhead.py``). A layer passes the same tensors call after call
 (an optimizer updates them in place), so a passed check is remembered for that exact list of tensor
 objects at those exact addresses. A later call with the same objects (weak references, so an object that
-died and whose id was reused is a miss) at the same data pointers (read again on every call) skips the
-checks and gets the pointers. Not re-read on a hit: metadata changed in place behind an unchanged object
-and address (``t.data = a view of the same storage with another shape``), which no Megatron path does.
+died and whose id was reused is a miss) at the same data pointers and versions (read again on every call:
+in-place ops such as ``t_()`` bump the version) skips the checks and gets the pointers. Not seen on a hit:
+``t.data = a view of the same storage with another shape``, which no Megatron path does.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Entry:
-    __slots__ = ("refs", "ptrs")
+    __slots__ = ("refs", "ptrs", "versions")
 
-    def __init__(self, refs: list[weakref.ref], ptrs: tuple[int, ...]) -> None:
+    def __init__(self, refs: list[weakref.ref], ptrs: tuple[int, ...], versions: tuple[int, ...]) -> None:
         self.refs = refs
         self.ptrs = ptrs
+        self.versions = versions
 
 
 _memo: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -57,7 +58,7 @@ def checked_pointers(flat: Sequence, spec: Hashable, check: Callable[[Sequence],
     entry = _memo.get(key)
     if entry is not None and all(r() is t for r, t in zip(entry.refs, flat)):
         ptrs = tuple(map(_data_ptr, flat))
-        if ptrs == entry.ptrs:
+        if ptrs == entry.ptrs and tuple(t._version for t in flat) == entry.versions:
             with _lock:
                 if key in _memo:
                     _memo.move_to_end(key)
@@ -65,7 +66,7 @@ def checked_pointers(flat: Sequence, spec: Hashable, check: Callable[[Sequence],
     if not check(flat):
         return None
     ptrs = tuple(map(_data_ptr, flat))
-    entry = _Entry([weakref.ref(t) for t in flat], ptrs)
+    entry = _Entry([weakref.ref(t) for t in flat], ptrs, tuple(t._version for t in flat))
     with _lock:
         _memo[key] = entry
         _memo.move_to_end(key)

@@ -526,6 +526,12 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
         if (++st == kStages) { st = 0; ph ^= 1u; }
         mbar_wait(B, &sm.full[sg], pg, q, 4);
         mbar_wait(B, &sm.full[su], pu, q, 4);
+        if (kFp8 && B.fp8_issue_order && wgc == 0 && (lt & 31) == 0) {
+          // the ordered K loop's `issued` barriers count every use of a stage (their phase is the stage
+          // ring's, fp8_kloop.cuh): these two stages carry g / u, not a K block, but move them on too
+          Barrier::arrive(&sm.issued[sg]);
+          Barrier::arrive(&sm.issued[su]);
+        }
         uint8_t* gsm = sm.stages + sg * kStageBytes;
         uint8_t* usm = sm.stages + su * kStageBytes;
 #pragma unroll
