@@ -124,6 +124,14 @@ def test_launch_pointer_tables_of_a_subset_of_ranks():
             assert _u64(a.w1, n) == [w1[q][e].data_ptr() for q in ranks for e in range(L)]
             assert _u64(a.w2, n) == [w2[q][e].data_ptr() for q in ranks for e in range(L)]
             assert _i64(a.w1_ld, n) == [H] * n and _i64(a.w2_ld, n) == [F] * n
+    # pointers the caller already took (mok_forward_emulated's checks) are used as they are
+    a, arrs = Args(), LaunchArrays()
+    dense = (
+        dense_weight_pointers(w1, R, L, torch.bfloat16, (2 * F, H), CPU),
+        dense_weight_pointers(w2, R, L, torch.bfloat16, (H, F), CPU),
+    )
+    set_expert_weights(a, arrs, w1, w2, None, [1], L, H, F, CPU, dense)
+    assert _u64(a.w2, L) == [t.data_ptr() for t in w2[1]] and _i64(a.w1_ld, L) == [H] * L
     # a strided weight goes the detailed way, with its own row stride
     w1[1][0] = torch.randn((2 * F, H + 64)).bfloat16()[:, :H]
     a, arrs = Args(), LaunchArrays()

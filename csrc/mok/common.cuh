@@ -110,8 +110,8 @@ struct Params {
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
   int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
-  int fp8_issue_order;                // fp8 forward: the second consumer warpgroup issues each stage's group after
-                                      // the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER)
+  int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
+                                      // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

@@ -31,7 +31,8 @@ namespace mok {
 // land at once and both drain and rescale while the tensor cores idle; ordered, the first group lands while
 // the second still runs and the first warpgroup's rescale hides behind it. The barrier's phase moves with
 // the stage's (the first warpgroup can be at most the ring ahead: a stage is refilled only once both have
-// released it), so the stage ring's phase bit `ph` is its phase too.
+// released it), so the stage ring's phase bit `ph` is its phase too -- provided the first warpgroup arrives
+// on every use of a stage, also on stages a caller takes outside this loop (the dgrad's g / u stages).
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };

@@ -9,6 +9,7 @@
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -30,6 +31,12 @@ inline int write_err(char* buf, int len, const char* fmt, ...) {
     va_end(ap);
   }
   return 1;
+}
+
+// A 0/1 launcher knob from the environment: unset -> `dflt`, else nonzero -> 1.
+inline int env_flag(const char* name, int dflt) {
+  const char* v = getenv(name);
+  return v ? (atoi(v) != 0 ? 1 : 0) : dflt;
 }
 
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

@@ -448,8 +448,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
-    const char* fo = getenv("MOK_FP8_ISSUE_ORDER");  // tuning knob, as the forward's (fp8_kloop.cuh)
-    B.fp8_issue_order = fo ? (atoi(fo) != 0 ? 1 : 0) : 1;  // on, as the forward
+    B.fp8_issue_order = env_flag("MOK_FP8_ISSUE_ORDER", 1);  // FP8 dgrad: on, as the forward (fp8_kloop.cuh)
   }
 
   MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));

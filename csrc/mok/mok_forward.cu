@@ -420,10 +420,10 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.debug = ds ? atoi(ds) : 0;
     const char* ls = getenv("MOK_CONSUMER_LEAD_NS");  // tuning knob (bench_fp8.py --ab-lead)
     P.consumer_lead_ns = ls ? std::max(0, std::min(100000, atoi(ls))) : 0;
-    const char* cs = getenv("MOK_CONSUMER_SYNC");  // tuning knob (bench_fp8.py --ab-env): 1 = lock-step consumers
-    P.consumer_sync = cs ? (atoi(cs) != 0 ? 1 : 0) : 0;
-    const char* fo = getenv("MOK_FP8_ISSUE_ORDER");  // tuning knob (bench_fp8.py --ab-env): 1 = ordered issue
-    P.fp8_issue_order = fo ? (atoi(fo) != 0 ? 1 : 0) : 1;  // on: 0.936-0.942x the fp8 time (A/B, H200)
+    P.consumer_sync = env_flag("MOK_CONSUMER_SYNC", 0);  // tuning knob (bench_fp8.py --ab-env): lock-step consumers
+    // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
+    // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session)
+    P.fp8_issue_order = env_flag("MOK_FP8_ISSUE_ORDER", 1);
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

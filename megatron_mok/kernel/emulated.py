@@ -334,11 +334,13 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
             _fail(f"topk_idx[{r}] and topk_weight[{r}] must be contiguous")
     if K < 1 or K > 64:
         _fail(f"top-k must be in [1, 64], got {K}")
-    if not (
-        dense_weights_ok(w1, R, L, torch.bfloat16, (2 * F, H), device)
-        and dense_weights_ok(w2, R, L, torch.bfloat16, (H, F), device)
-    ):
+    dense = (
+        dense_weight_pointers(w1, R, L, torch.bfloat16, (2 * F, H), device),
+        dense_weight_pointers(w2, R, L, torch.bfloat16, (H, F), device),
+    )
+    if dense[0] is None or dense[1] is None:
         _check_expert_weights(w1, w2, R, L, H, F, device)
+        dense = None
     if not isinstance(comm_sms, int) or comm_sms < 0:
         _fail(f"comm_sms must be an int >= 0 (0: pull on the compute SMs' spare warps), got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
@@ -351,13 +353,16 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
         sr, ss = debug_stall
         if not (0 <= sr < R and 0 <= ss < ring_slots):
             _fail(f"debug_stall {debug_stall} out of range (R={R}, ring_slots={ring_slots})")
-    return R, L, H, F, K, device
+    return R, L, H, F, K, device, dense
 
 
-def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H: int, F: int, device) -> None:
+def set_expert_weights(
+    args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H: int, F: int, device, dense=None
+) -> None:
     """Expert weight pointers of the owner ranks ``ranks`` (this launch's) into the launch struct: the
     bf16 weights w1[q] / w2[q], or with ``fp8`` (Fp8ExpertWeights holding exactly len(w1) ranks, like
-    w1 / w2) the e4m3 copies and their scales."""
+    w1 / w2) the e4m3 copies and their scales. ``dense``: the caller's ``dense_weight_pointers`` of w1 and
+    w2 when it already took them (its checks), so they are not looked up twice."""
     ranks = list(ranks)
     nranks = len(w1)
 
@@ -366,8 +371,10 @@ def set_expert_weights(args, arrays: LaunchArrays, w1, w2, fp8, ranks, L: int, H
 
     if fp8 is None:
         args.fp8 = 0
-        p1 = dense_weight_pointers(w1, nranks, L, torch.bfloat16, (2 * F, H), device)
-        p2 = dense_weight_pointers(w2, nranks, L, torch.bfloat16, (H, F), device)
+        p1, p2 = dense or (
+            dense_weight_pointers(w1, nranks, L, torch.bfloat16, (2 * F, H), device),
+            dense_weight_pointers(w2, nranks, L, torch.bfloat16, (H, F), device),
+        )
         if p1 is not None and p2 is not None:  # contiguous: row strides H and F
             args.w1, args.w2 = arrays.u64(of_ranks(p1)), arrays.u64(of_ranks(p2))
             args.w1_ld, args.w2_ld = arrays.i64([H] * (len(ranks) * L)), arrays.i64([F] * (len(ranks) * L))
@@ -429,7 +436,7 @@ def mok_forward_emulated(
     time is the layer's device time without this call's host preparation (which a CUDA-event pair around
     the whole call includes whenever the GPU was idle when the call began).
     """
-    R, L, H, F, K, device = _validate(
+    R, L, H, F, K, device, dense = _validate(
         x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
     )
     check = capture_check(check, "mok_forward_emulated")
@@ -470,7 +477,7 @@ def mok_forward_emulated(
     args.out = arr([t.data_ptr() for t in out])
     args.combine = arr([t.data_ptr() for t in comb])
     args.tpe = arr([t.data_ptr() for t in tpe])
-    set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device)
+    set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device, dense)
 
     if keep is not None:
         keep.bind(args, R, H, F, minibatch_tokens, device, _fail, fp8)
