@@ -33,6 +33,15 @@ namespace mok {
 // the stage's (the first warpgroup can be at most the ring ahead: a stage is refilled only once both have
 // released it), so the stage ring's phase bit `ph` is its phase too -- provided the first warpgroup arrives
 // on every use of a stage, also on stages a caller takes outside this loop (the dgrad's g / u stages).
+//
+// after_landing (issue order 2, MOK_FP8_ISSUE_ORDER=2): the first warpgroup arrives once its group has
+// landed (after its wait<0>) instead of once it is issued. Order 1 helps only if the tensor cores run the
+// two queued groups one after the other; if they interleave them, both still land together. Order 2
+// makes the second group start after the first has finished, whatever the tensor cores do with queued
+// groups: the first warpgroup's rescale and its next issue overlap the second group, and the second
+// warpgroup's rescale the first's next group. Its cost: the tensor cores wait for the barrier's signal
+// before each second group (~tens of cycles) if nothing else is queued. Same results (the barrier only
+// orders issues); timed against order 1 with bench_fp8.py --ab-env MOK_FP8_ISSUE_ORDER=2.
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
@@ -40,8 +49,12 @@ template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
-                                              Hook after_issue = Hook{}, uint64_t* issued = nullptr) {
+                                              Hook after_issue = Hook{}, uint64_t* issued = nullptr,
+                                              bool after_landing = false) {
   const int lt = threadIdx.x & 127;
+  // this warp of the first warpgroup signals `issued`: after its issue (order 1) or its landing (order 2)
+  const bool signal_issue = issued != nullptr && wgc == 0 && (lt & 31) == 0 && !after_landing;
+  const bool signal_landing = issued != nullptr && wgc == 0 && (lt & 31) == 0 && after_landing;
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   int prev = 0;
   // scales are loaded one K block ahead: an L2 round trip per block would otherwise stall the promotion
@@ -58,6 +71,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     if (kb > 0) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
+      if (signal_landing) Barrier::arrive(&issued[prev]);  // the second warpgroup may issue block kb-1
       rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
       rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -74,7 +88,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     for (int kk = 0; kk < kBKf8 / 32; ++kk)
       wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
-    if (issued != nullptr && wgc == 0 && (lt & 31) == 0) Barrier::arrive(&issued[st]);  // this warp's part issued
+    if (signal_issue) Barrier::arrive(&issued[st]);  // this warp's part issued
     after_issue(kb);
     pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;
@@ -82,6 +96,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   }
   cute::warpgroup_wait<0>();
   fence_acc(acc);
+  if (signal_landing) Barrier::arrive(&issued[prev]);
   if (lt == 0) Barrier::arrive(&sm.empty[prev]);
   rescale_half(acc, pa0 * pb0, pa1 * pb0);
   rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);

@@ -39,6 +39,21 @@ inline int env_flag(const char* name, int dflt) {
   return v ? (atoi(v) != 0 ? 1 : 0) : dflt;
 }
 
+// An integer launcher knob from the environment in [lo, hi]: unset -> `dflt`; false (out untouched) if it
+// is set to anything else, for the launcher to report -- a mistyped knob must not time the default.
+inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {
+  const char* v = getenv(name);
+  if (!v) {
+    *out = dflt;
+    return true;
+  }
+  char* end = nullptr;
+  const long x = strtol(v, &end, 10);
+  if (end == v || *end != '\0' || x < lo || x > hi) return false;
+  *out = (int)x;
+  return true;
+}
+
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);

@@ -422,8 +422,10 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.consumer_lead_ns = ls ? std::max(0, std::min(100000, atoi(ls))) : 0;
     P.consumer_sync = env_flag("MOK_CONSUMER_SYNC", 0);  // tuning knob (bench_fp8.py --ab-env): lock-step consumers
     // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
-    // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session)
-    P.fp8_issue_order = env_flag("MOK_FP8_ISSUE_ORDER", 1);
+    // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
+    if (!env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, &P.fp8_issue_order))
+      return write_err(errbuf, errlen, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
+                       getenv("MOK_FP8_ISSUE_ORDER"));
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

@@ -165,8 +165,8 @@ def test_fp8_backward_bad_inputs_are_clear_errors(kernel, bk):
 
 
 def test_fp8_backward_ordered_issue_gives_identical_results(kernel, bk, monkeypatch):
-    """Ordered issue of the two consumer warpgroups' groups in the FP8 dgrad (MOK_FP8_ISSUE_ORDER) changes
-    only timing: every gradient bit for bit."""
+    """The order of the two consumer warpgroups' groups in the FP8 dgrad (MOK_FP8_ISSUE_ORDER 0 / 1 / 2)
+    changes only timing: every gradient bit for bit. The reference runs unordered (1 is the default)."""
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
     R, L, H, F, K, Ts = 2, 3, 512, 384, 4, [300, 211]
@@ -180,12 +180,19 @@ def test_fp8_backward_ordered_issue_gives_identical_results(kernel, bk, monkeypa
     def grads():
         return bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, **kw)
 
+    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "0")
     ref = grads()
-    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "1")
-    got = grads()
-    for a, b in zip(ref, got):
-        for r in range(R):
-            if isinstance(a[r], (list, tuple)):
-                assert all(torch.equal(u, v) for u, v in zip(a[r], b[r]))
-            else:
-                assert torch.equal(a[r], b[r])
+    for order in ("1", "2"):
+        monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", order)
+        got = grads()
+        for a, b in zip(ref, got):
+            for r in range(R):
+                if isinstance(a[r], (list, tuple)):
+                    assert all(torch.equal(u, v) for u, v in zip(a[r], b[r])), f"order {order}"
+                else:
+                    assert torch.equal(a[r], b[r]), f"order {order}"
+    from megatron_mok.kernel.errors import MokKernelError
+
+    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "3")  # a mistyped knob is an error, not the default
+    with pytest.raises(MokKernelError, match="MOK_FP8_ISSUE_ORDER must be 0"):
+        grads()
