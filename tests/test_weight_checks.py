@@ -98,3 +98,48 @@ def test_fp8_weights_validate_through_the_cheap_pass_and_name_defects():
             _fp8("weight shape").validate(R, L, H, F, CPU)
     finally:
         F = saved
+
+
+def test_per_rank_launch_checks_go_through_the_cheap_pass_and_name_defects():
+    """mok_forward_rank's weight checks (peer_ep._expert_weight_pointers): dense weights give their
+    pointers without the per-expert loop (remembered, weight_memo.py), strided ones None (their row
+    strides are read at the launch), and every defect the named message of the detailed loop."""
+    from megatron_mok.kernel import weight_memo
+    from megatron_mok.kernel.peer_ep import _expert_weight_pointers
+
+    w1, w2 = _weights()
+    got = _expert_weight_pointers(w1[0], w2[0], H, CPU)
+    assert got == (tuple(t.data_ptr() for t in w1[0]), tuple(t.data_ptr() for t in w2[0]))
+    n = weight_memo.size()
+    assert _expert_weight_pointers(w1[0], w2[0], H, CPU) == got and weight_memo.size() == n  # a hit
+
+    strided = list(w1[0])
+    strided[1] = torch.zeros((2 * F, H + 64), dtype=torch.bfloat16)[:, :H]
+    assert _expert_weight_pointers(strided, w2[0], H, CPU) is None  # accepted, strides read later
+
+    cases = [
+        ("dtype", torch.zeros((2 * F, H), dtype=torch.float32), r"w1\[2\] must be torch.bfloat16"),
+        ("shape", torch.zeros((2 * F, F), dtype=torch.bfloat16), r"expert 2: w1 \(128, 64\)"),
+        (
+            "misaligned",
+            torch.zeros((2 * F * H + 1,), dtype=torch.bfloat16)[1:].view(2 * F, H),
+            r"w1\[2\] needs unit inner stride",
+        ),
+        ("odd row stride", torch.zeros((2 * F, H + 4), dtype=torch.bfloat16)[:, :H], r"w1\[2\] needs unit inner"),
+    ]
+    for name, bad, message in cases:
+        ws = list(w1[0])
+        ws[2] = bad
+        with pytest.raises(ValueError, match=message):
+            _expert_weight_pointers(ws, w2[0], H, CPU)
+            pytest.fail(f"{name}: accepted")
+    with pytest.raises(ValueError, match=r"must hold this rank's experts \(got 3 and 2\)"):
+        _expert_weight_pointers(w1[0], w2[0][:2], H, CPU)
+    with pytest.raises(ValueError, match=r"w2\[0\] must be a torch.Tensor"):
+        _expert_weight_pointers(w1[0], [None, *w2[0][1:]], H, CPU)
+    # hidden size not a multiple of 8: no cheap pass, the detailed loop names the row stride
+    h2 = 100
+    w1h = [torch.zeros((2 * F, h2), dtype=torch.bfloat16) for _ in range(L)]
+    w2h = [torch.zeros((h2, F), dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(ValueError, match=r"w1\[0\] needs unit inner stride, a row stride multiple of 8"):
+        _expert_weight_pointers(w1h, w2h, h2, CPU)

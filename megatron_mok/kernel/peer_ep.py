@@ -37,6 +37,7 @@ from .emulated import (
     _check_tensor,
     _error_message,
     _lazy_checker,
+    dense_weight_pointers,
     load_library,
     refuse_capture,
     set_expert_weights,
@@ -154,6 +155,36 @@ def _fail(msg: str) -> None:
     raise ValueError(f"mok_forward_rank: {msg}")
 
 
+def _expert_weight_pointers(w1, w2, H: int, device) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Check this rank's bf16 expert weights w1[e] [2F, H] / w2[e] [H, F] (first failure named); their data
+    pointers when all are contiguous and 16-byte aligned (remembered per tensor objects, weight_memo.py:
+    the per-expert loop ran on every call), None when some are strided (then set_expert_weights reads
+    each one's row stride)."""
+    if not isinstance(w1, (list, tuple)) or not isinstance(w2, (list, tuple)):
+        _fail("w1 and w2 must be lists of this rank's expert weights")
+    L = len(w1)
+    if L < 1 or len(w2) != L:
+        _fail(f"w1 and w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
+    _check_tensor(w2[0], "w2[0]", torch.bfloat16, 2, device)
+    F = w2[0].shape[1]
+    # the cheap pass: contiguous [2F, H] / [H, F] with H, F multiples of 8 are exactly the weights the
+    # detailed checks below accept with unit inner stride and row strides H / F
+    if H % 8 == 0 and F % 8 == 0 and F > 0:
+        p1 = dense_weight_pointers([w1], 1, L, torch.bfloat16, (2 * F, H), device)
+        p2 = dense_weight_pointers([w2], 1, L, torch.bfloat16, (H, F), device)
+        if p1 is not None and p2 is not None:
+            return p1, p2
+    for e in range(L):
+        _check_tensor(w1[e], f"w1[{e}]", torch.bfloat16, 2, device)
+        _check_tensor(w2[e], f"w2[{e}]", torch.bfloat16, 2, device)
+        if tuple(w1[e].shape) != (2 * F, H) or tuple(w2[e].shape) != (H, F):
+            _fail(f"expert {e}: w1 {tuple(w1[e].shape)} / w2 {tuple(w2[e].shape)} must be [{2 * F}, {H}] / [{H}, {F}]")
+        for n, t in ((f"w1[{e}]", w1[e]), (f"w2[{e}]", w2[e])):
+            if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+                _fail(f"{n} needs unit inner stride, a row stride multiple of 8 and a 16-byte aligned start")
+    return None
+
+
 def mok_forward_rank(
     bufs: PeerBuffers,
     x: torch.Tensor,
@@ -203,18 +234,8 @@ def mok_forward_rank(
     _check_tensor(topk_weight, "topk_weight", torch.float32, 2, device)
     if topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
         _fail(f"topk_idx must be int32/int64 on {device}, got {topk_idx.dtype} on {topk_idx.device}")
-    L = len(w1)
-    if L < 1 or len(w2) != L:
-        _fail(f"w1 and w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
-    F = w2[0].shape[1]
-    for e in range(L):
-        _check_tensor(w1[e], f"w1[{e}]", torch.bfloat16, 2, device)
-        _check_tensor(w2[e], f"w2[{e}]", torch.bfloat16, 2, device)
-        if tuple(w1[e].shape) != (2 * F, H) or tuple(w2[e].shape) != (H, F):
-            _fail(f"expert {e}: w1 {tuple(w1[e].shape)} / w2 {tuple(w2[e].shape)} must be [{2 * F}, {H}] / [{H}, {F}]")
-        for n, t in ((f"w1[{e}]", w1[e]), (f"w2[{e}]", w2[e])):
-            if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
-                _fail(f"{n} needs unit inner stride, a row stride multiple of 8 and a 16-byte aligned start")
+    dense = _expert_weight_pointers(w1, w2, H, device)
+    L, F = len(w1), w2[0].shape[1]
     if not topk_weight.is_contiguous():
         topk_weight = topk_weight.contiguous()
 
@@ -249,7 +270,7 @@ def mok_forward_rank(
     args.out = arr(own_only(out.data_ptr()))
     args.combine = arr([bufs.peer(r, reg.combine_off) for r in range(R)])
     args.tpe = arr(own_only(tpe.data_ptr()))
-    set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device)
+    set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device, dense=dense)
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if saved_h is not None:
         _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)
