@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     if (!s_flag) return;
   }
   // ---- schedule (all CTAs): the forward's layout, recomputed from the routing ----
-  schedule_count(B);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)
+  static_assert(bwd::bwd_compute_smem_bytes() / 4 >= MOK_MAX_EXPERTS, "schedule_count's per-warp counts need E ints of smem");
+  schedule_count(B, reinterpret_cast<int*>(smem), bwd::bwd_compute_smem_bytes() / 4);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)
   if (!grid_barrier(B, 1, &s_flag)) return;
   schedule_scan(B);
   if (!grid_barrier(B, 2, &s_flag)) return;

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   }
 
   // ---- schedule (all CTAs) ----
-  schedule_count(P);
+  static_assert(compute_smem_bytes() / 4 >= MOK_MAX_EXPERTS, "schedule_count's per-warp counts need E ints of smem");
+  schedule_count(P, reinterpret_cast<int*>(smem), compute_smem_bytes() / 4);
   if (!grid_barrier(P, 1, &s_flag)) return;
   schedule_scan(P);
   if (!grid_barrier(P, 2, &s_flag)) return;

@@ -24,11 +24,28 @@ __device__ __forceinline__ int chunk_to_rank(const Params& P, int g) {
   return r;
 }
 
-// Phase A
-__device__ void schedule_count(const Params& P) {
+// Entries of a chunk a warp reads ahead (kSchedBatch x 32 idx loads in flight): phases A and C walk a
+// chunk (kChunkTokens x K entries) in groups of 32, and one dependent global round trip per group (idx,
+// then the counts) made the schedule latency-bound -- a few dozen warps each waiting ~2 L2 round trips
+// per group, while the rest of the grid waits at the next grid barrier.
+constexpr int kSchedBatch = 4;
+
+// Phase A. s_cnt: dynamic smem of cnt_ints ints (>= MOK_MAX_EXPERTS, static_assert at the callers),
+// free during the schedule. Each counting warp keeps its chunk's per-expert counts in E ints of its own
+// there (an L2 read-modify-write per group of 32 entries before), and writes the nonzero ones out to
+// chunk_counts (zeroed per launch) when its chunk is done. With many experts fewer warps per CTA count
+// (min(kWarps, cnt_ints / E): at least 6 for MOK_MAX_EXPERTS); which warp counts which chunk does not
+// change any result.
+__device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
   const int lane = threadIdx.x & 31;
-  const int gwarp = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  const int nwarps = gridDim.x * kWarps;
+  const int wpc = min(kWarps, cnt_ints / max(P.E, 1));  // counting warps per CTA
+  const int wid = threadIdx.x >> 5;
+  if (wid >= wpc) return;
+  const int gwarp = blockIdx.x * wpc + wid;
+  const int nwarps = gridDim.x * wpc;
+  int* wcnt = s_cnt + wid * P.E;
+  for (int e = lane; e < P.E; e += 32) wcnt[e] = 0;  // zero again by the write-out of each chunk
+  __syncwarp();
   for (int g = gwarp; g < P.num_chunks; g += nwarps) {
     const int r = chunk_to_rank(P, g);
     const RankTable rt = P.ranks[r];
@@ -36,39 +53,55 @@ __device__ void schedule_count(const Params& P) {
     const int t0 = c * kChunkTokens;
     const int t1 = min(rt.T, t0 + kChunkTokens);
     const int e0 = t0 * P.K, e1 = t1 * P.K;
-    for (int base = e0; base < e1; base += 32) {
-      const int ent = base + lane;
-      int ex = -1;
-      bool valid = false;
-      if (ent < e1) {
-        ex = rt.idx[ent];
-        if (ex < -1 || ex >= P.E) {
+    for (int b0 = e0; b0 < e1; b0 += 32 * kSchedBatch) {
+      int exs[kSchedBatch];
+#pragma unroll
+      for (int u = 0; u < kSchedBatch; ++u) {
+        const int ent = b0 + 32 * u + lane;
+        exs[u] = ent < e1 ? rt.idx[ent] : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < kSchedBatch; ++u) {
+        const int base = b0 + 32 * u;
+        if (base >= e1) break;  // warp-uniform
+        const int ent = base + lane;
+        int ex = exs[u];
+        if (ent < e1 && (ex < -1 || ex >= P.E)) {
           record_error(P, kErrBadIndex, r, ent / P.K, kPhaseSchedule, P.E, ex, ent % P.K);
           ex = -1;
         }
-        valid = ex >= 0;
-      }
-      const unsigned same = __match_any_sync(0xffffffffu, valid ? ex : -1);
-      const unsigned lt = (1u << lane) - 1u;
-      int prev = 0;
-      if (valid) prev = P.chunk_counts[(long long)ex * P.num_chunks + g];
-      __syncwarp();
-      if (valid) {
-        P.local_rank[rt.entry_base + ent] = prev + __popc(same & lt);
-        if ((same & lt) == 0) P.chunk_counts[(long long)ex * P.num_chunks + g] = prev + __popc(same);
-      }
-      __syncwarp();
-      // zero the combine rows of unused slots (idx == -1): combine_buf is defined as 0 there
-      // (only the home rank's own launch writes its combine buffer)
-      unsigned inval = __ballot_sync(0xffffffffu, ent < e1 && !valid && in_launch(P, r));
-      while (inval) {
-        const int src = __ffs(inval) - 1;
-        inval &= inval - 1;
-        const long long row = base + src;
-        uint4* dst = reinterpret_cast<uint4*>(rt.combine + row * P.H);
-        for (int v = lane; v < P.H / 8; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+        const bool valid = ex >= 0;  // (ent >= e1: ex = -1)
+        const unsigned same = __match_any_sync(0xffffffffu, valid ? ex : -1);
+        const unsigned lt = (1u << lane) - 1u;
+        int prev = 0;
+        if (valid) prev = wcnt[ex];
+        __syncwarp();
+        if (valid) {
+          P.local_rank[rt.entry_base + ent] = prev + __popc(same & lt);
+          if ((same & lt) == 0) wcnt[ex] = prev + __popc(same);
+        }
+        __syncwarp();
+        // zero the combine rows of unused slots (idx == -1): combine_buf is defined as 0 there
+        // (only the home rank's own launch writes its combine buffer)
+        unsigned inval = __ballot_sync(0xffffffffu, ent < e1 && !valid && in_launch(P, r));
+        while (inval) {
+          const int src = __ffs(inval) - 1;
+          inval &= inval - 1;
+          const long long row = base + src;
+          uint4* dst = reinterpret_cast<uint4*>(rt.combine + row * P.H);
+          for (int v = lane; v < P.H / 8; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+        }
       }
     }
+    __syncwarp();
+    for (int e = lane; e < P.E; e += 32) {  // the chunk's nonzero counts out (chunk_counts is zero elsewhere)
+      const int n = wcnt[e];
+      if (n != 0) {
+        P.chunk_counts[(long long)e * P.num_chunks + g] = n;
+        wcnt[e] = 0;
+      }
+    }
+    __syncwarp();  // before the next chunk counts
   }
 }
 
@@ -128,14 +161,33 @@ __device__ void schedule_place(const Params& P, int* s_start) {
     const int c = g - rt.chunk_base;
     const int e0 = c * kChunkTokens * P.K;
     const int e1 = min(rt.T, (c + 1) * kChunkTokens) * P.K;
-    for (int ent = e0 + lane; ent < e1; ent += 32) {
-      const int ex = rt.idx[ent];
-      if (ex < 0 || ex >= P.E) continue;
-      const int q = ex / P.L;
-      if (!in_launch(P, q)) continue;  // another launch lays out its own experts
-      const long long pos = (long long)s_start[ex] + P.chunk_counts[(long long)ex * P.num_chunks + g] +
-                            P.local_rank[rt.entry_base + ent];
-      if (pos < P.layout_cap) P.layout[(long long)part(P, q) * P.layout_cap + pos] = make_int2(r, ent);
+    // kSchedBatch groups at a time, in three sweeps (idx; then counts and ranks; then the stores), so each
+    // sweep's loads are in flight together: the layout stores may alias the loads as far as the compiler
+    // knows, so one loop per entry would serialise two round trips per group
+    for (int b0 = e0; b0 < e1; b0 += 32 * kSchedBatch) {
+      int exs[kSchedBatch];
+#pragma unroll
+      for (int u = 0; u < kSchedBatch; ++u) {
+        const int ent = b0 + 32 * u + lane;
+        exs[u] = ent < e1 ? rt.idx[ent] : -1;
+      }
+      long long pos[kSchedBatch];
+#pragma unroll
+      for (int u = 0; u < kSchedBatch; ++u) {
+        const int ent = b0 + 32 * u + lane;
+        const int ex = exs[u];
+        pos[u] = -1;
+        // (invalid indices were recorded in phase A; another launch lays out its own experts)
+        if (ex < 0 || ex >= P.E || !in_launch(P, ex / P.L)) continue;
+        pos[u] = (long long)s_start[ex] + P.chunk_counts[(long long)ex * P.num_chunks + g] +
+                 P.local_rank[rt.entry_base + ent];
+      }
+#pragma unroll
+      for (int u = 0; u < kSchedBatch; ++u) {
+        const int ent = b0 + 32 * u + lane;
+        if (pos[u] >= 0 && pos[u] < P.layout_cap)
+          P.layout[(long long)part(P, exs[u] / P.L) * P.layout_cap + pos[u]] = make_int2(r, ent);
+      }
     }
   }
 }

@@ -80,6 +80,13 @@ def test_small_model(kernel, R, mode):
     _run_case(kernel, R, L, Ts=Ts, mode=mode, seed=R * 10 + len(mode), **SMALL)
 
 
+def test_many_experts_fewer_counting_warps(kernel):
+    """E = 9 x 512 = 4608 experts: the schedule's per-warp expert counts (E ints of smem each) no longer fit
+    for all 12 warps of a CTA, so fewer warps per CTA count (schedule.cuh, schedule_count); the layout and
+    every output must be unchanged. Most experts get no row or one partial row block."""
+    _run_case(kernel, 9, 512, 64, 64, 8, Ts=[600 + 50 * r for r in range(9)], mode="uniform", seed=12, comm_sms=1)
+
+
 @pytest.mark.parametrize("R", [1, 4])
 def test_ring_smaller_than_batch(kernel, R):
     # 8 experts, 2000 tokens x top-2 per rank: dozens of minibatches through a 2-slot ring of 64 rows
