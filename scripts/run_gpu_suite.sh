@@ -4,7 +4,9 @@
 #   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
 # Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward), MOK_SUITE_BENCH=0 the benchmark,
 #      MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py), MOK_PYTEST_PATHS (tests/gpu),
-#      MOK_PYTEST_ARGS overrides "-x -q".
+#      MOK_PYTEST_ARGS overrides "-x -q", MOK_SUITE_FP8_ARGS the fp8 benchmark's arguments (e.g. an interleaved
+#      A/B of a launcher knob: "--comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 13 --no-graphs
+#      --ab-env MOK_FP8_ISSUE_ORDER=2 --ab-env-kinds fp8").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_logs}"
@@ -55,7 +57,8 @@ fi
 if [ "${MOK_SUITE_FP8:-1}" != "0" ]; then
   echo "== fp8 bench"
   # the configs' split (comm 0: in-SM pull, minibatch 4096), an A/B against 8 comm SMs in the interleaved rounds
-  timeout ${MOK_BENCH_TIMEOUT:-300} python3 scripts/bench_fp8.py --backward --comm-sms 0 --minibatch 4096 --ring-slots 4 \
-    --sweep-comm 0,8 --sweep-mb 4096 --rounds 9 --ab-comm 8 --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
+  FP8_ARGS="${MOK_SUITE_FP8_ARGS:---backward --comm-sms 0 --minibatch 4096 --ring-slots 4 --sweep-comm 0,8 --sweep-mb 4096 --rounds 9 --ab-comm 8}"
+  # shellcheck disable=SC2086  # word splitting of the argument string is intended
+  timeout ${MOK_BENCH_TIMEOUT:-300} python3 scripts/bench_fp8.py $FP8_ARGS --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
 fi
 exit $rc
