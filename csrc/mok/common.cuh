@@ -221,6 +221,12 @@ __device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 // Generic-proxy writes (st.global) that a later TMA (async proxy) read must see, and vice versa.
+// This thread's generic-proxy shared-memory writes ordered before later async-proxy (TMA) accesses of the
+// same bytes: the schedule's scratch (schedule.cuh) lies where the stage ring's TMA loads land afterwards.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }

@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   schedule_scan(B);
   if (!grid_barrier(B, 2, &s_flag)) return;
   schedule_place(B, reinterpret_cast<int*>(smem));
+  fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
   if (!grid_barrier(B, 3, &s_flag) || cta_aborted(B, &s_flag)) return;  // incl. an owner over capacity
   if (threadIdx.x == 0) timeline_record(B, kTlSchedule, 0, t_entry, globaltimer_ns());
 

@@ -72,6 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   schedule_scan(P);
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
+  fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
   if (!grid_barrier(P, 3, &s_flag) || cta_aborted(P, &s_flag)) return;  // incl. an owner over capacity
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
