@@ -290,7 +290,9 @@ def _check_expert_weights(w1, w2, R: int, L: int, H: int, F: int, device) -> Non
                     )
 
 
-def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall):
+def _validate(
+    x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall, fp8=None
+):
     if not isinstance(x, (list, tuple)) or len(x) == 0:
         _fail("x must be a non-empty list of per-rank tensors")
     R = len(x)
@@ -334,13 +336,22 @@ def _validate(x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_
             _fail(f"topk_idx[{r}] and topk_weight[{r}] must be contiguous")
     if K < 1 or K > 64:
         _fail(f"top-k must be in [1, 64], got {K}")
-    dense = (
-        dense_weight_pointers(w1, R, L, torch.bfloat16, (2 * F, H), device),
-        dense_weight_pointers(w2, R, L, torch.bfloat16, (H, F), device),
-    )
-    if dense[0] is None or dense[1] is None:
-        _check_expert_weights(w1, w2, R, L, H, F, device)
+    if fp8 is not None:
+        # the FP8 kernel reads only the e4m3 copies (checked against H / F in set_expert_weights); the bf16
+        # masters give the sizes. Checking all of them too cost ~0.5 us per tensor per call (DeepSeek-V3
+        # slice: 64 tensors) for weights the launch never touches.
+        for q in range(R):
+            if not all(isinstance(w[q], (list, tuple)) and len(w[q]) == L for w in (w1, w2)):
+                _fail(f"w1[{q}] and w2[{q}] must each hold {L} expert weights")
         dense = None
+    else:
+        dense = (
+            dense_weight_pointers(w1, R, L, torch.bfloat16, (2 * F, H), device),
+            dense_weight_pointers(w2, R, L, torch.bfloat16, (H, F), device),
+        )
+        if dense[0] is None or dense[1] is None:
+            _check_expert_weights(w1, w2, R, L, H, F, device)
+            dense = None
     if not isinstance(comm_sms, int) or comm_sms < 0:
         _fail(f"comm_sms must be an int >= 0 (0: pull on the compute SMs' spare warps), got {comm_sms!r}")
     if not isinstance(ring_slots, int) or not 1 <= ring_slots <= MOK_MAX_SLOTS:
@@ -437,7 +448,7 @@ def mok_forward_emulated(
     the whole call includes whenever the GPU was idle when the call began).
     """
     R, L, H, F, K, device, dense = _validate(
-        x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall
+        x, topk_idx, topk_weight, w1, w2, comm_sms, ring_slots, minibatch_tokens, timeout_ms, debug_stall, fp8
     )
     check = capture_check(check, "mok_forward_emulated")
     if timeline is not None:

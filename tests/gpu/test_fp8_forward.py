@@ -121,6 +121,24 @@ def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
             assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{env}, rank {r}"
 
 
+def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
+    """With fp8 weights the bf16 masters give only the sizes: they are neither read by the kernel nor checked
+    per tensor on every call (host time); zeroed, column-strided masters give the same bits."""
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    x, idx, wts, w1, w2 = _inputs(2, 2, 256, 256, 2, [300, 200], "uniform", seed=9)
+    q8 = quantize_expert_weights(w1, w2)
+    kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128, fp8=q8)
+    o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    z1 = [[torch.zeros((t.shape[1], t.shape[0]), dtype=t.dtype, device=t.device).t() for t in r] for r in w1]
+    z2 = [[torch.zeros_like(t) for t in r] for r in w2]
+    o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, z1, z2, **kw)
+    for r in range(2):
+        assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r])
+    with pytest.raises(ValueError, match=r"w1\[1\] and w2\[1\] must each hold 2 expert weights"):
+        kernel.mok_forward_emulated(x, idx, wts, w1, [w2[0], w2[1][:1]], **kw)
+
+
 @pytest.mark.parametrize("bad", ["3", "-1", "on", "1x", ""])
 def test_fp8_issue_order_knob_rejects_bad_values(kernel, bad, monkeypatch):
     """A mistyped MOK_FP8_ISSUE_ORDER is a launch error naming the knob, not a silent default."""
