@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
-import ctypes
+import array
 
 
 class LaunchArrays:
-    """Builds the ctypes arrays an argument struct points at and keeps them alive as long as this
-    object (keep it until the launch call has returned: the library copies what it needs)."""
+    """Builds the host arrays an argument struct points at and keeps them alive as long as this object
+    (keep it until the launch call has returned: the library copies what it needs).
+
+    ``array.array`` rather than ctypes arrays: building ``(c_ulonglong * n)(*vals)`` costs ~5 us for 32
+    values on the development host, ``array.array('Q', vals)`` ~1 us, and a launch with 32 local experts
+    builds six such tables (host time per call counts whenever the GPU waits for the launch)."""
 
     def __init__(self) -> None:
-        self._keep: list[ctypes.Array] = []
+        self._keep: list[array.array] = []
 
-    def _array(self, ctype, vals) -> int:
-        a = (ctype * max(1, len(vals)))(*vals)
+    def _array(self, typecode: str, vals) -> int:
+        a = array.array(typecode, vals if len(vals) else (0,))
         self._keep.append(a)
-        return ctypes.addressof(a)  # the address for a c_void_p field (ctypes.cast costs ~2x more per launch)
+        return a.buffer_info()[0]  # the address for a c_void_p field
 
     def u64(self, vals) -> int:
         """unsigned 64-bit values (device pointers)"""
-        return self._array(ctypes.c_ulonglong, vals)
+        return self._array("Q", vals)
 
     def i64(self, vals) -> int:
         """signed 64-bit values (row strides, token counts)"""
-        return self._array(ctypes.c_longlong, vals)
+        return self._array("q", vals)
