@@ -14,10 +14,11 @@
 //                 of the home rank (a peer store in real EP).
 //
 // FP8 variant (template kFp8, kernel.dtype fp8): the same tiles, stages and tickets; operands are e4m3
-// (128 per SW128 row = one scale block per K step), two WGMMA m64n128k32 groups per K block (one per
-// 128-column half), the per-K-block block scales applied by rescaling each half of the accumulator
-// while the other half's group runs (ffn_kloop_fp8, fp8_quant.cuh: rescale_half), and the fc1 epilogue
-// quantises the SwiGLU output per 1 x 128 block (one tile = one block per row) for fc2.
+// (128 per SW128 row = one scale block per K step), one group of four WGMMA m64n256k32 per K block and
+// warpgroup, drained and promoted to the next block's scales before the next group (ffn_kloop_fp8;
+// fp8_quant.cuh: rescale_half; the two warpgroups' groups are ordered so one's promotion overlaps the
+// other's MMAs, MOK_FP8_ISSUE_ORDER), and the fc1 epilogue quantises the SwiGLU output per 1 x 128
+// block (one tile = one block per row) for fc2.
 #pragma once
 #include "common.cuh"
 #include "deferred_release.cuh"

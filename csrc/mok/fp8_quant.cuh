@@ -10,8 +10,9 @@
 //                      before block kb's WGMMAs acc *= s_{kb-1} / s_kb, after the last acc *= s_last.
 //                      That is the same sum as sum_kb P_kb * s_kb (fp32 rounding aside) with 128
 //                      accumulator registers instead of 256, so the bf16 kernel's 128 x 256 tiles stay.
-//                      The two 128-column halves are separate MMA groups, so one half is rescaled
-//                      while the other half's MMAs run (the tensor pipe never drains).
+//                      Each block is one WGMMA group per warpgroup, drained before its promotion
+//                      (fp8_kloop.cuh says why, and how the two warpgroups' groups are ordered so that
+//                      one's promotion overlaps the other's MMAs).
 //   quantize_store_row128  one row's 1 x 128 block in WGMMA fragment order -> e4m3 + scale, 16-byte
 //                      stores after a quad transpose (forward: store_act_row_e4m3, the SwiGLU output of
 //                      an fc1 tile; backward: the dH blocks of a dgrad stage-1 tile)
