@@ -109,10 +109,17 @@ def record(args) -> str:
                 f"{kind:16s} {w[0]:10.1f} - {w[1]:9.1f} {meta['busy_sm_us'][kind]:12.1f} "
                 f"{100 * meta['sm_time_share'][kind]:16.1f}% {n:7d}"
             )
+    # forward tiles' K blocks: 128-deep (fp8) or 64-deep (bf16), the same tensor work per block either way
+    # (two warpgroups x four m64n256 WGMMAs), so their MMA time per block compares the two K loops directly
+    bk = 128 if args.dtype == "fp8" else 64
+    nk = {"fc1": H // bk, "fc2": F // bk} if args.pass_ == "forward" else {}
     for kind, t in meta.get("tile_us", {}).items():
+        per_block = ""
+        if kind in nk:
+            per_block = f"; MMA time per {bk}-deep K block {(t['mean_us'] - t['epilogue_us']) / nk[kind]:.3f} us"
         print(
             f"{kind} tiles: {t['tiles']}, mean {t['mean_us']:.2f} us, of which epilogue (MMAs done -> its stores issued) "
-            f"{t['epilogue_us']:.2f} us ({100 * t['epilogue_us'] / t['mean_us']:.1f}%)"
+            f"{t['epilogue_us']:.2f} us ({100 * t['epilogue_us'] / t['mean_us']:.1f}%){per_block}"
         )
     # per GEMM phase: FLOPs / busy SM-time -> TFLOP/s per busy SM (x 132 = rate if every SM ran it)
     if args.pass_ == "forward":
