@@ -113,6 +113,7 @@ struct Params {
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
   int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
                                       // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
+  int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

@@ -68,6 +68,18 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
 // makes ptxas drop the setmaxnreg budget (224) back to the launch bound (168 registers, spills).
 __device__ __forceinline__ float silu_f(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+// The FP8 kernel's SiLU: g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU (tanh.approx)
+// instead of two (ex2 + rcp). An fc1 epilogue runs 64 SiLUs per thread, 128 MUFUs at 8 cycles per warp
+// each on its sub-partition's 4 SFU lanes: ~1000 cycles of the ~3500 the epilogue takes, during which
+// this warpgroup's tensor work is not queued. tanh.approx's error (<= 2^-10.99 relative, i.e. <= 2.5e-4
+// absolute in the sigmoid) is well below the e4m3 rounding of the SwiGLU output that follows (2^-4), but
+// it moves a few of those roundings: opt-in (MOK_FP8_FAST_SILU=1) until timed and its error measured;
+// the bf16 kernel keeps silu_f (its output is rounded to bf16, 2^-9).
+__device__ __forceinline__ float silu_tanh_f(float g) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * g));
+  return g * fmaf(0.5f, t, 0.5f);
+}
 
 // ------------------------------------------------------------------------------------------------
 template <bool kFp8>
@@ -334,14 +346,18 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
     if constexpr (kFp8) {
       // SwiGLU in fp32, quantised per row (the tile's 128 columns are one 1 x 128 block) for fc2
+      auto swiglu_row = [&](int h, auto silu) {  // in place over the gate values (saved h was stored above)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          acc[4 * j + 2 * h] = silu(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
+          acc[4 * j + 2 * h + 1] = silu(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+        }
+      };
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {  // in place over the gate values (saved h was stored above)
-          acc[4 * j + 2 * h] = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
-          acc[4 * j + 2 * h + 1] = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
-        }
+        if (P.fp8_fast_silu) swiglu_row(h, [](float g) { return silu_tanh_f(g); });
+        else swiglu_row(h, [](float g) { return silu_f(g); });
         const bool ok = r < ti.rows && !MOK_DBG(4);
         uint8_t* dst = ok ? reinterpret_cast<uint8_t*>(P.act) + (srow + r) * F + ti.nt * kFc1ActCols : nullptr;
         store_act_row_e4m3(dst, P.act_scale + (srow + r) * (F / kScaleBlock) + ti.nt, acc, h, lane);

@@ -428,6 +428,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, &P.fp8_issue_order))
       return write_err(errbuf, errlen, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
                        getenv("MOK_FP8_ISSUE_ORDER"));
+    if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &P.fp8_fast_silu))  // expert_ffn.cuh: silu_tanh_f
+      return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

@@ -89,6 +89,37 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
             assert 1e-3 < e_x < 0.08, f"rank {r}: fp8 output rel err vs fp32 {e_x:.3e} out of the recipe's range"
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[-1]])
+def test_fp8_fast_silu_stays_within_the_recipe(kernel, case, monkeypatch):
+    """MOK_FP8_FAST_SILU=1 (SiLU through tanh.approx in the fc1 epilogue, expert_ffn.cuh: silu_tanh_f) moves
+    a few e4m3 roundings of the SwiGLU output: the layer stays within the recipe's tolerances, and the
+    errors of both settings are printed (the knob is off until its error and its time are measured)."""
+    from megatron_mok.kernel.errors import MokKernelError
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    R, L, H, F, K, Ts, mode, comm, slots, mb = case
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 31 + H)
+    q8 = quantize_expert_weights(w1, w2)
+    kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb, fp8=q8)
+    r_out, _, _ = ground_truth_fp8(x, idx, wts, w1, w2)
+    exact = exact_fp32(x, idx, wts, w1, w2)
+    outs = {}
+    for fast in ("0", "1"):
+        monkeypatch.setenv("MOK_FP8_FAST_SILU", fast)
+        outs[fast], _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+        for r in range(R):
+            e_o, e_x = rel_err(outs[fast][r], r_out[r]), rel_err(outs[fast][r], exact[r])
+            print(f"MOK_FP8_FAST_SILU={fast} rank {r}: vs fp8 recipe {e_o:.3e}, vs fp32 {e_x:.3e}")
+            assert e_o < 2e-2 and 1e-3 < e_x < 0.08
+    for r in range(R):
+        e_d = rel_err(outs["1"][r], outs["0"][r])
+        print(f"rank {r}: fast vs exact SiLU kernel outputs differ by {e_d:.3e}")
+        assert 0 < e_d < 1e-2
+    monkeypatch.setenv("MOK_FP8_FAST_SILU", "2")
+    with pytest.raises(MokKernelError, match="MOK_FP8_FAST_SILU must be 0 or 1"):
+        kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+
+
 @pytest.mark.parametrize("comm", [2, 0])
 def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS), lock-step consumers
