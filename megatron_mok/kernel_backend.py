@@ -140,13 +140,16 @@ class KernelBackend:
             torch.empty((owner_rows, 2 * F), dtype=torch.bfloat16, device=x.device) if plan.save_fc1_output else None
         )
         keep = self._kept_rows(plan, 1, owner_rows, H, F, x.device)
+        # the expert weights go as the Parameter objects themselves, not .detach() copies (here and in the
+        # other launches): the kernels only read their pointers, and the launches' weight-check memo
+        # (kernel/weight_memo.py) is keyed by the objects -- a fresh detached copy per call never hit it
         out, combine, _tpe = mok_forward_rank(
             bufs,
             x.detach().contiguous(),
             topk_idx,
             topk_w.detach().float().contiguous(),
-            [w.detach() for w in w1],
-            [w.detach() for w in w2],
+            list(w1),
+            list(w2),
             comm_sms=self.comm_sms,
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=plan.ring.minibatch_tokens,
@@ -185,8 +188,8 @@ class KernelBackend:
             state["topk_idx"],
             state["topk_w_f32"],
             state["combine_buf"],
-            [w.detach() for w in w1],
-            [w.detach() for w in w2],
+            list(w1),
+            list(w2),
             comm_sms=self.backward_comm_sms,
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,
@@ -244,8 +247,8 @@ class KernelBackend:
             [x.detach().contiguous()],
             [topk_idx.to(torch.int32).contiguous()],
             [topk_w.detach().float().contiguous()],
-            [[w.detach() for w in w1]],
-            [[w.detach() for w in w2]],
+            [list(w1)],
+            [list(w2)],
             comm_sms=self.comm_sms,
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=plan.ring.minibatch_tokens,
@@ -293,8 +296,8 @@ class KernelBackend:
                 [state["topk_idx"].to(torch.int32).contiguous()],
                 [state["all_w"][0].contiguous()],
                 [state["combine_buf"]],
-                [[w.detach() for w in w1]],
-                [[w.detach() for w in w2]],
+                [list(w1)],
+                [list(w2)],
                 comm_sms=self.backward_comm_sms,
                 ring_slots=plan.ring.ring_slots,
                 minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,

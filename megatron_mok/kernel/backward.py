@@ -481,7 +481,7 @@ def weight_grads_kernel(
     a.accumulate = 1 if accumulate else 0
     a.timeout_ms = float(timeout_ms)
     a.cap = cap
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     a.tpe = arr([t.data_ptr() for t in tpe])
@@ -668,7 +668,7 @@ def mok_backward_emulated(
     dh = [torch.empty((cap, 2 * F), **bf) for _ in range(R)]
     f8 = [_fp8_buffers(cap, H, F, device) for _ in range(R)] if fp8 is not None else []
 
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     ptrs = lambda ts: arr([t.data_ptr() for t in ts])  # noqa: E731
@@ -894,7 +894,7 @@ def mok_backward_rank(
         f8 = _fp8_buffers(cap, H, F, device) if fp8 is not None else None
 
     lib = load_library()
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     def own_only(ptr: int):

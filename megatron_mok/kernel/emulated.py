@@ -470,7 +470,7 @@ def mok_forward_emulated(
     comb = [torch.empty((T, K, H), dtype=torch.bfloat16, device=device) for T in Ts]
     tpe = [torch.empty((L,), dtype=torch.int32, device=device) for _ in range(R)]
 
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     args = _Args()

@@ -103,7 +103,7 @@ def fp8_grouped_gemm(
         _fail(f"out must be contiguous bf16 [{rows}, {N}]")
 
     lib = _lib()
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     a = _Fp8Args()

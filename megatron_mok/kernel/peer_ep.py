@@ -169,7 +169,7 @@ def _expert_weight_pointers(w1, w2, H: int, device) -> tuple[tuple[int, ...], tu
     F = w2[0].shape[1]
     # the cheap pass: contiguous [2F, H] / [H, F] with H, F multiples of 8 are exactly the weights the
     # detailed checks below accept with unit inner stride and row strides H / F
-    if H % 8 == 0 and F % 8 == 0 and F > 0:
+    if H % 8 == 0 and F % 8 == 0 and H > 0 and F > 0:
         p1 = dense_weight_pointers([w1], 1, L, torch.bfloat16, (2 * F, H), device)
         p2 = dense_weight_pointers([w2], 1, L, torch.bfloat16, (H, F), device)
         if p1 is not None and p2 is not None:
@@ -234,7 +234,15 @@ def mok_forward_rank(
     _check_tensor(topk_weight, "topk_weight", torch.float32, 2, device)
     if topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
         _fail(f"topk_idx must be int32/int64 on {device}, got {topk_idx.dtype} on {topk_idx.device}")
-    dense = _expert_weight_pointers(w1, w2, H, device)
+    if fp8 is None:
+        dense = _expert_weight_pointers(w1, w2, H, device)
+    else:  # the FP8 kernel reads only the e4m3 copies (checked in set_expert_weights); the masters give L, F
+        dense = None
+        if not isinstance(w1, (list, tuple)) or not isinstance(w2, (list, tuple)):
+            _fail("w1 and w2 must be lists of this rank's expert weights")
+        if len(w1) < 1 or len(w2) != len(w1):
+            _fail(f"w1 and w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
+        _check_tensor(w2[0], "w2[0]", torch.bfloat16, 2, device)
     L, F = len(w1), w2[0].shape[1]
     if not topk_weight.is_contiguous():
         topk_weight = topk_weight.contiguous()
@@ -250,7 +258,7 @@ def mok_forward_rank(
         tpe = torch.empty((L,), dtype=torch.int32, device=device)
 
     lib = load_library()
-    arrays = LaunchArrays()  # ctypes arrays the struct points at, alive until the launch returned
+    arrays = LaunchArrays()  # host arrays the struct points at, alive until the launch returned
     arr, arr_i64 = arrays.u64, arrays.i64
 
     def own_only(ptr: int) -> list[int]:
