@@ -304,3 +304,45 @@ def test_backward_minibatch_does_not_change_gradients(save_fc1_output):
         got = run(bmb)
         for i, (a, b) in enumerate(zip(got, base)):
             assert torch.equal(a, b), f"backward minibatch {bmb}: gradient {i} differs from minibatch 256's"
+
+
+def test_layer_calls_hit_the_weight_check_memo(monkeypatch):
+    """The kernel backend hands the launches the expert Parameters themselves: a second forward / backward
+    with the same weights finds the per-tensor checks remembered (kernel/weight_memo.py) instead of checking
+    every expert again (a fresh .detach() per call made every call a miss)."""
+    _kernel_or_skip()
+
+    from megatron_mok.backend import kernel_backend
+    from megatron_mok.kernel import weight_memo
+    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.transport import run_emulated
+
+    L, x, idx, w, w1, w2, go = _skewed_layer_problem(21)
+    backend = kernel_backend(comm_sms=2, timeout_ms=5000.0)
+    ring = RingSpec(minibatch_tokens=256, ring_slots=2)
+    ps = [t.clone().requires_grad_() for t in (*w1, *w2)]
+    checks = []
+    real = weight_memo.checked_pointers
+
+    def spy(flat, spec, check):
+        def counted(ts):
+            checks.append(len(ts))
+            return check(ts)
+
+        return real(flat, spec, counted)
+
+    monkeypatch.setattr(weight_memo, "checked_pointers", spy)
+
+    def step():
+        def body(tp):
+            plan = MokPlan(tp, L, ring, save_fc1_output=True)
+            out = mok_moe(x, idx, w, ps[:L], ps[L:], plan, backend)
+            out.backward(go)
+
+        run_emulated(1, body)
+
+    step()
+    assert checks, "the launches did not go through the weight-check memo"
+    checks.clear()
+    step()
+    assert checks == [], f"the second step re-checked {len(checks)} weight lists"
