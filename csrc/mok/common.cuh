@@ -70,6 +70,7 @@ enum Phase : int {
   kPhasePeerDone = 9,        // per-rank launch: waits for every peer's compute-done signal (pushes landed)
   kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
   kPhaseWgrad = 11,          // wgrad: expert row counts inconsistent with the layout buffers
+  kPhaseChunkDone = 12,      // forward, token chunks: a chunk's final sum waits for its minibatches' pushes
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 
@@ -130,6 +131,16 @@ struct Params {
   int* chunk_counts;                  // [E][num_chunks] (zeroed per launch)
   int* expert_total;                  // [E]
   int* expert_off;                    // [nparts][L+1]
+  // Forward, token chunks ("macrobatches", MOK_MACROBATCHES = B > 1, EP 1 only): rows are processed in B
+  // chunks of tokens so that chunk J's final sum overlaps the later chunks' GEMMs (ring_buffer.cuh). The
+  // processing order is B * L segments (J, e): expert e's rows [c_J(e), c_{J+1}(e)) of its layout rows,
+  // cut on the 128-row tile grid. B = 1: one segment per expert, processing order = layout order.
+  int macrobatches;                   // B
+  int nseg;                           // segments per owner: B * L
+  int* seg_off;                       // B > 1: [nparts][nseg + 1] processing-order row of each segment's start
+  int* seg_lrow;                      // B > 1: [nparts][nseg] layout row of each segment's first row
+  int* expert_cut;                    // B > 1: [E][B + 1] rows of expert e from the tokens before chunk j
+  int* token_done;                    // B > 1: [sum_r T_r] the segment chunk after which a token's rows are pushed
   unsigned* counters;                 // see ctr_* helpers (zeroed per launch)
   int* err;                           // [8]
   TimelineEvent* timeline;            // optional [grid][timeline_cap] events (timeline.cuh), or nullptr

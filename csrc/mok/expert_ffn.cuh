@@ -42,13 +42,14 @@ struct ComputeSmem {
   uint64_t* info_empty;
   uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
   TileInfo* info;
-  int* off;
+  int* off;        // [nseg + 1] processing-order segment offsets (seg_table; B = 1: the experts')
+  int* lrow;       // [nseg] B > 1: layout row of each segment's first row
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
   return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
-         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + 64;
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64;
 }
 
 __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
@@ -61,7 +62,8 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.issued = s.info_empty + 2;
   s.info = reinterpret_cast<TileInfo*>(s.issued + kStages);
   s.off = reinterpret_cast<int*>(s.info + 2);
-  s.pull_flag = s.off + MOK_MAX_LOCAL_EXPERTS + 1;  // inside compute_smem_bytes' 64 spare bytes
+  s.lrow = s.off + MOK_MAX_LOCAL_EXPERTS + 1;
+  s.pull_flag = s.lrow + MOK_MAX_LOCAL_EXPERTS;  // inside compute_smem_bytes' 64 spare bytes
   return s;
 }
 
@@ -86,15 +88,16 @@ __device__ __forceinline__ float silu_tanh_f(float g) {
 template <bool kFp8>
 __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
-  const int N = sm.off[L];
+  const int NS = P.macrobatches > 1 ? P.nseg : L;  // processing-order segments (B = 1: the experts)
+  const int N = sm.off[NS];
   const int nmb = num_minibatches(N, M);
   // Dense tickets: minibatch mb owns cnt(mb) * (nt1 + nt2) consecutive tickets, cnt = its row blocks
   // (count_mtiles), not a worst-case mt_max: every ticket is a tile, none is drawn only to be skipped (an
   // atomic round trip each; ~30 of 48 row-block slots per minibatch of the DeepSeek-V3 slice were empty).
   // The tickets one producer draws only grow, so it walks a cursor over the minibatches.
   const unsigned per_mt = (unsigned)(P.nt1 + P.nt2);
-  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, L, M, 1);
-  int cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
+  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, NS, M, 1);
+  int cur_cnt = count_mtiles(sm.off, NS, cur_a, cur_b);
   unsigned cur_base = 0;
   int st = 0;
   uint32_t ph = 0;
@@ -109,8 +112,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
         cur_base += (unsigned)cur_cnt * per_mt;
         ++cur_mb;
         cur_a = cur_b;
-        cur_b = mb_begin(sm.off, L, M, cur_mb + 1);
-        cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
+        cur_b = mb_begin(sm.off, NS, M, cur_mb + 1);
+        cur_cnt = count_mtiles(sm.off, NS, cur_a, cur_b);
       }
       if (cur_mb >= nmb) break;  // every tile handed out
       const int mb = cur_mb, cnt = cur_cnt;
@@ -132,11 +135,13 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       }
       const int a = cur_a, b = cur_b;
       const int s = mb % S, j = mb / S;
-      int e = 0, row0 = 0, rows = 0;
-      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) {  // cannot happen: mt < cnt by construction
+      int sg = 0, row0 = 0, rows = 0;
+      if (!find_mtile(sm.off, NS, a, b, mt, sg, row0, rows)) {  // cannot happen: mt < cnt by construction
         record_error(P, kErrInternal, q, s, kPhasePipeline, cnt, mt, 5);
         break;
       }
+      const int e = sg % L;  // segment sg runs local expert sg % L
+      const int lrow0 = P.macrobatches > 1 ? sm.lrow[sg] + (row0 - sm.off[sg]) : row0;
       // the tile's weight maps, fetched while it waits for its dependency and for a free stage
       if (kind == 1) {
         tma_prefetch_desc(tmap_gate(P, q * L + e));
@@ -154,7 +159,7 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       if (!ok) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
-      ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a;
+      ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a; ti.lrow0 = lrow0;
       break;
     }
     mbar_wait(P, &sm.info_empty[ii], iph ^ 1u, q, 1);
@@ -165,8 +170,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
 
     const int g = q * L + ti.expert;
     // A rows in the partition's ring / act tensor maps ([S * slot_rows] rows per partition)
-    const int arow = (int)(mb_slot_row0(P, q, ti.mb, ti.mb_start) - (long long)part(P, q) * S * P.slot_rows) +
-                     (ti.row0 - ti.mb_start);
+    const int arow = (int)(slot_row(P, q, ti.mb, ti.mb_start, ti.row0, ti.lrow0) -
+                           (long long)part(P, q) * S * P.slot_rows);
     constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
     const int nk = ti.kind == 1 ? ceil_div(P.H, bk) : ceil_div(P.F, bk);
     const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
@@ -237,7 +242,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
-    const long long srow = mb_slot_row0(P, q, ti.mb, ti.mb_start) + (ti.row0 - ti.mb_start);
+    const long long srow = slot_row(P, q, ti.mb, ti.mb_start, ti.row0, ti.lrow0);
     // fc2 push destinations of this thread's two rows: the layout entries are loaded now and resolved to
     // the home rank's combine row once the first MMAs are in flight (resolve_push); left to the epilogue,
     // these two dependent global loads opened every fc2 epilogue with a ~1 us stall.
@@ -246,7 +251,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (ti.kind == 2 && !MOK_DBG(2)) {
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        if (r_lo + 8 * h < ti.rows) src_row[h] = P.layout[(long long)part(P, q) * P.layout_cap + ti.row0 + r_lo + 8 * h];
+        if (r_lo + 8 * h < ti.rows) src_row[h] = P.layout[(long long)part(P, q) * P.layout_cap + ti.lrow0 + r_lo + 8 * h];
     }
     auto resolve_push = [&] {
 #pragma unroll
@@ -328,7 +333,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r_lo + 8 * h;
-          __nv_bfloat16* dst = r < ti.rows ? hs + ((long long)ti.row0 + r) * 2 * F : nullptr;
+          __nv_bfloat16* dst = r < ti.rows ? hs + ((long long)ti.lrow0 + r) * 2 * F : nullptr;
 #pragma unroll
           for (int half = 0; half < 2; ++half) {  // 0: gate (acc j < 16), 1: up (acc j >= 16)
 #pragma unroll
@@ -421,7 +426,13 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  for (int e = threadIdx.x; e <= P.L; e += blockDim.x) sm.off[e] = P.expert_off[part(P, q) * (P.L + 1) + e];
+  {  // the processing-order segment table (B = 1: the expert offsets) and, with token chunks, layout rows
+    const int ns = P.macrobatches > 1 ? P.nseg : P.L;
+    const int* so = seg_table(P, q);
+    for (int e = threadIdx.x; e <= ns; e += blockDim.x) sm.off[e] = so[e];
+    if (P.macrobatches > 1)
+      for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
+  }
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {

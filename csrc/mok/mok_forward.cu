@@ -11,7 +11,8 @@
 //     ranks meet at start / compute-done on their signal pads (peer_sync.cuh).
 //
 // Host side: a torch-independent extern "C" API (ctypes), every CUDA call checked.
-//   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs
+//   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs (-1: invalid,
+//                                                 mok_forward_check(args, errbuf, errlen) says why)
 //   mok_forward_emulated_launch(args, stream, errbuf, errlen) -> 0 on success
 //   mok_forward_rank_launch(args, stream, errbuf, errlen)     -> 0 on success
 //   mok_device_info(dev, &num_sms, &major, &minor)
@@ -82,13 +83,17 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   const int n_comp = P.ctas_per_rank - P.comm_sms;
   const int warp = threadIdx.x >> 5;
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
+  // token chunks (B > 1): the final sum of chunk B-1 at the end; chunks 0 .. B-2 were summed before
+  const int last_chunk = P.macrobatches > 1 ? P.macrobatches - 1 : -1;
   if (local < P.comm_sms) {
     if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
+    // (an abort inside is recorded in P.err: the wait below then fails for every thread of the CTA)
+    if (P.macrobatches > 1) chunk_sums<2, 8>(P, q, local * kWarps + warp, P.comm_sms * kWarps);
     if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
+    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers, last_chunk);
     if (P.timeline) {
       __syncthreads();
       if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
@@ -102,7 +107,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    if (!MOK_DBG(1))
+      combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers, last_chunk);
     if (P.timeline) {
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
@@ -173,11 +179,19 @@ namespace {
 using namespace mok_host;
 
 struct WsLayout {
-  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, zero_begin, counters,
-      chunk_counts, zero_end, total;
+  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, seg_off,
+      seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, zero_end, total;
   long long layout_cap;
-  int num_chunks, total_entries, mt_max, mb_cap, E;
+  int num_chunks, total_entries, mt_max, mb_cap, E, B;
 };
+
+// Token chunks (MOK_MACROBATCHES, a tuning knob; ring_buffer.cuh: seg_table): 1 (off) unless set; 0 if
+// set to anything but an integer in [1, 64] (validate reports it).
+int macrobatches(const MokLaunchArgs* a) {
+  (void)a;
+  int b = 1;
+  return env_choice("MOK_MACROBATCHES", 1, 1, 64, &b) ? b : 0;
+}
 
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
@@ -208,6 +222,17 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     entries += a->T[r] * a->K;
   }
   if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
+  const int B = macrobatches(a);
+  if (B < 1)
+    return !write_err(eb, el, "MOK_MACROBATCHES must be an integer in [1, 64], got '%s'", getenv("MOK_MACROBATCHES"));
+  if (B > 1 && a->R != 1)
+    return !write_err(eb, el,
+                      "MOK_MACROBATCHES=%d needs EP 1 (one rank): with several source ranks a token chunk's rows are "
+                      "not contiguous in an expert's layout rows yet (scripts/NOTES-kernel.md, tenth session)",
+                      B);
+  if ((long long)B * a->L > MOK_MAX_LOCAL_EXPERTS)
+    return !write_err(eb, el, "MOK_MACROBATCHES=%d x %d local experts exceeds %d row segments", B, a->L,
+                      MOK_MAX_LOCAL_EXPERTS);
   return true;
 }
 
@@ -221,6 +246,8 @@ int slot_rows(const MokLaunchArgs* a) { return a->keep_x ? a->minibatch : a->min
 WsLayout plan(const MokLaunchArgs* a) {
   WsLayout w{};
   w.E = a->R * a->L;
+  w.B = std::max(1, macrobatches(a));
+  const int nseg = w.B * a->L;  // processing-order segments per owner (B = 1: the experts)
   const int np = launch_parts(a);
   long long entries = 0;
   int chunks = 0;
@@ -234,7 +261,7 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
   // a minibatch holds < minibatch + kBM rows (its boundaries sit on its experts' tile grids, ring_buffer.cuh)
   const int mb_rows = a->minibatch + mok::kBM - 1;
-  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(a->L, mb_rows) - 1;
+  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(nseg, mb_rows) - 1;
   // kept rows: the caller's buffers are the ring (one slot per minibatch), none in the workspace
   const size_t S = a->keep_x ? 0 : a->ring_slots, M = slot_rows(a);
   size_t off = 0;
@@ -250,9 +277,16 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
   w.expert_off = take((size_t)np * (a->L + 1) * 4);
+  long long tokens = 0;
+  for (int r = 0; r < a->R; ++r) tokens += a->T[r];
+  const bool chunked = w.B > 1;  // token chunks' tables (none otherwise: the layout above is unchanged)
+  w.seg_off = take(chunked ? (size_t)np * (nseg + 1) * 4 : 0);
+  w.seg_lrow = take(chunked ? (size_t)np * nseg * 4 : 0);
+  w.expert_cut = take(chunked ? (size_t)w.E * (w.B + 1) * 4 : 0);
   w.zero_begin = off;
   w.counters = take((size_t)mok::ctr_count(np, w.mb_cap, w.mt_max) * 4);
   w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
+  w.token_done = take(chunked ? (size_t)std::max<long long>(tokens, 1) * 4 : 0);  // atomicMax from 0
   w.zero_end = off;
   w.total = off;
   return w;
@@ -267,6 +301,9 @@ long long mok_workspace_bytes(const MokLaunchArgs* a) {
   if (!validate(a, nullptr, 0)) return -1;
   return (long long)plan(a).total;
 }
+
+// Why mok_workspace_bytes refused a: the validation's message (0 if valid).
+int mok_forward_check(const MokLaunchArgs* a, char* errbuf, int errlen) { return validate(a, errbuf, errlen) ? 0 : 1; }
 
 const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
 
@@ -449,6 +486,12 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.chunk_counts = reinterpret_cast<int*>(wsp + ws.chunk_counts);
   P.expert_total = reinterpret_cast<int*>(wsp + ws.expert_total);
   P.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
+  P.macrobatches = ws.B;
+  P.nseg = ws.B * L;
+  P.seg_off = reinterpret_cast<int*>(wsp + ws.seg_off);
+  P.seg_lrow = reinterpret_cast<int*>(wsp + ws.seg_lrow);
+  P.expert_cut = reinterpret_cast<int*>(wsp + ws.expert_cut);
+  P.token_done = reinterpret_cast<int*>(wsp + ws.token_done);
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   if (a->fp8) {
     P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);

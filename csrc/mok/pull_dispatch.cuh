@@ -14,6 +14,7 @@
 #pragma once
 #include "common.cuh"
 #include "fp8_quant.cuh"
+#include "push_combine.cuh"
 #include "ring_buffer.cuh"
 #include "timeline.cuh"
 #include "timeout.cuh"
@@ -55,16 +56,17 @@ constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3
 // Warps gw, gw + stride, ... of a CTA pull layout rows [a, b) of minibatch i into its ring slot.
 template <bool kFp8, int U = kPullUnroll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
-  const int* off = P.expert_off + part(P, q) * (P.L + 1);
+  const int* off = seg_table(P, q);
+  const int ns = P.macrobatches > 1 ? P.nseg : P.L;
   const int H = P.H;
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
-  const int a = mb_begin(off, P.L, P.minibatch, i), b = mb_begin(off, P.L, P.minibatch, i + 1);
-  const long long slot_row0 = mb_slot_row0(P, q, i, a);
-  for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
-    const int2 src = layout[row];
+  const int a = mb_begin(off, ns, P.minibatch, i), b = mb_begin(off, ns, P.minibatch, i + 1);
+  for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {  // processing-order rows
+    const int lr = layout_row(P, q, off, row);
+    const int2 src = layout[lr];
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
-    const long long r = slot_row0 + (row - a);
+    const long long r = slot_row(P, q, i, a, row, lr);
     if constexpr (kFp8)
       quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), sp, H, lane);
     else
@@ -82,12 +84,9 @@ __device__ __forceinline__ unsigned ready_target(const Params& P, int mb) {
 
 // Before pulling minibatch i into slot i % S: minibatch i - S (same slot) has been fully combined.
 __device__ __forceinline__ bool wait_slot_free(const Params& P, int q, int i) {
-  const int S = P.ring_slots, M = P.minibatch;
+  const int S = P.ring_slots;
   if (i < S) return true;
-  const int* off = P.expert_off + part(P, q) * (P.L + 1);
-  const unsigned need = (unsigned)(kConsumerWGs * P.nt2 *
-                                   count_mtiles(off, P.L, mb_begin(off, P.L, M, i - S), mb_begin(off, P.L, M, i - S + 1)));
-  return wait_counter_geq(P, ctr_mb_done(P, q, i - S), need, q, i % S, kPhaseSlotFree);
+  return wait_mb_done(P, q, i - S, kPhaseSlotFree);
 }
 
 // Publish minibatch i's share of this CTA (the caller fenced its writes and synchronised its warps).
@@ -110,7 +109,7 @@ __device__ __forceinline__ void compute_pulls_first_minibatch(const Params& P, i
 // Returns false if the kernel is aborting.
 template <bool kFp8>
 __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
-  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
+  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];  // rows of the owner (any segment order)
   const int nmb = num_minibatches(N, P.minibatch);
   const int warp = threadIdx.x >> 5;
   const int gw = c * kWarps + warp;
@@ -162,6 +161,8 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
       publish_pulled(P, q, i);
     }
   }
+  // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
+  if (P.macrobatches > 1) chunk_sums<1, 4>(P, q, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
 }
 
 }  // namespace mok

@@ -8,6 +8,8 @@
 //       fp32, k ascending, unused slots (idx == -1) skipped, rows with no valid k -> 0.
 #pragma once
 #include "common.cuh"
+#include "ring_buffer.cuh"
+#include "timeout.cuh"
 
 namespace mok {
 
@@ -53,16 +55,22 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
 }
 
 // worker: warp index among this rank's participating warps; nworkers: their number.
-// Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over 8 k at a time: 8 * VP loads of 16 B
+// Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over KB k at a time: KB * VP loads of 16 B
 // in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so bytes in flight set
 // its speed (one vector per lane left it at about half the device's copy rate): the consumer warps,
-// with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168) VP = 2.
-template <int VP>
-__device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
+// with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168) VP = 2; the
+// producer warpgroup's in-SM pull warps (56) VP = 1, KB = 4. The k order of the fp32 sum is the same
+// for every VP / KB (results bit-identical).
+// chunk >= 0 (token chunks, B > 1): only the tokens whose rows are all pushed after chunk `chunk`'s
+// segments (token_done, schedule.cuh); -1: every token.
+template <int VP, int KB = 8>
+__device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers, int chunk = -1) {
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
   const int H = P.H, K = P.K, nv = H / 8;
+  const int* done = chunk >= 0 ? P.token_done + rt.entry_base / K : nullptr;
   for (int t = worker; t < rt.T; t += nworkers) {
+    if (done != nullptr && done[t] != chunk) continue;  // warp-uniform
     const int* idx = rt.idx + (long long)t * K;
     const float* w = rt.w + (long long)t * K;
     const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
@@ -73,11 +81,11 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
       for (int h = 0; h < VP; ++h)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += 8) {  // 8 rows x VP vectors in flight, then accumulate in k order
-        uint4 d[VP][8];
-        float wk[8];
+      for (int k0 = 0; k0 < K; k0 += KB) {  // KB rows x VP vectors in flight, then accumulate in k order
+        uint4 d[VP][KB];
+        float wk[KB];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < KB; ++u) {
           const int k = k0 + u;
           const bool ok = k < K && idx[k] >= 0;
           wk[u] = ok ? w[k] : 0.f;
@@ -86,7 +94,7 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
             d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nv + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < KB; ++u) {
           if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
 #pragma unroll
           for (int h = 0; h < VP; ++h) {
@@ -111,6 +119,31 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
       }
     }
   }
+}
+
+// Token chunks (B = P.macrobatches > 1, EP 1): the final sums of chunks 0 .. B-2, each once every
+// minibatch holding rows of its segments has pushed them, by warps idle by then (the comm SMs' after
+// their pulls, or the in-SM pull warps) while the later chunks' GEMMs run; chunk B-1's tokens are
+// summed at the end by everyone. Returns false on an abort (error recorded by the waiter).
+template <int VP, int KB>
+__device__ bool chunk_sums(const Params& P, int q, int worker, int nworkers) {
+  const int B = P.macrobatches, ns = P.nseg, M = P.minibatch;
+  const int lane = threadIdx.x & 31;
+  const int* off = seg_table(P, q);
+  const int nmb = num_minibatches(off[ns], M);
+  int i = 0;  // minibatches seen done
+  for (int J = 0; J + 1 < B; ++J) {
+    const int end = off[(J + 1) * P.L];  // processing-order end of chunk J's segments
+    int ok = 1;
+    if (lane == 0)  // every minibatch that starts before `end` (the last may hold rows of chunk J + 1 too)
+      for (; i < nmb && mb_begin(off, ns, M, i) < end; ++i)
+        if (!wait_mb_done(P, q, i, kPhaseChunkDone)) { ok = 0; break; }
+    __syncwarp();  // the other lanes' reads of the pushed rows after lane 0's acquire
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    if (!ok) return false;
+    combine_reduce<VP, KB>(P, q, worker, nworkers, J);
+  }
+  return true;
 }
 
 }  // namespace mok

@@ -23,6 +23,7 @@
 // i*M boundaries the DeepSeek-V3 slice, 32 experts, ran ~3 % more tiles at M = 2048).
 #pragma once
 #include "common.cuh"
+#include "timeout.cuh"
 
 namespace mok {
 
@@ -33,10 +34,11 @@ struct TileInfo {
   int round;
   int mt, nt;
   int expert;    // local expert id
-  int row0;      // first layout row of the tile
+  int row0;      // first processing-order row of the tile (= layout row unless token chunks, B > 1)
   int rows;      // valid rows (<= kBM)
-  int mb_start;  // first layout row of the minibatch
-  int pad[2];
+  int mb_start;  // first processing-order row of the minibatch
+  int lrow0;     // first layout row of the tile (saved h, push rows, kept rows)
+  int pad;
 };
 
 // off: smem copy of expert_off[q][0..L]. Returns false if minibatch has fewer than mt+1 row blocks.
@@ -92,12 +94,45 @@ __device__ __forceinline__ int mb_begin(const int* off, int L, int M, int i) {
   return off[lo] + (int)((p - off[lo]) / kBM) * kBM;
 }
 
+// Processing-order segment table of owner q (offsets [nseg + 1]; segment s runs local expert s % L):
+// B = 1 the expert offsets themselves, B > 1 the (token chunk, expert) segments (schedule_place).
+__device__ __forceinline__ const int* seg_table(const Params& P, int q) {
+  return P.macrobatches > 1 ? P.seg_off + (long long)part(P, q) * (P.nseg + 1) : P.expert_off + part(P, q) * (P.L + 1);
+}
+
+// Layout row of processing-order row v of owner q (off = seg_table(P, q)); B = 1: v itself.
+__device__ __forceinline__ int layout_row(const Params& P, int q, const int* off, int v) {
+  if (P.macrobatches <= 1) return v;
+  int lo = 0, hi = P.nseg - 1;  // the segment holding v: the last s with off[s] <= v (empty ones come earlier)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (off[mid] <= v) lo = mid; else hi = mid - 1;
+  }
+  return P.seg_lrow[(long long)part(P, q) * P.nseg + lo] + (v - off[lo]);
+}
+
 // Row of rank q's ring (and of its activation / scale rows: same [nparts][S][slot_rows] indexing) that
 // holds minibatch i's first row a = mb_begin(i). Kept rows (P.kept_layout): the ring is the owner's
 // layout-order buffer (one slot per minibatch), so a minibatch sits at its layout rows.
 __device__ __forceinline__ long long mb_slot_row0(const Params& P, int q, int i, int a) {
   if (P.kept_layout) return (long long)part(P, q) * P.ring_slots * P.slot_rows + a;
   return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows;
+}
+
+// Slot row of processing-order row v (layout row lrow) of minibatch i (first row a): the ring holds a
+// minibatch in processing order; kept rows sit at their layout rows. B = 1: mb_slot_row0 + (v - a).
+__device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int a, int v, int lrow) {
+  if (P.kept_layout) return (long long)part(P, q) * P.ring_slots * P.slot_rows + lrow;
+  return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows + (v - a);
+}
+
+// Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout.
+__device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase) {
+  const int M = P.minibatch, ns = P.macrobatches > 1 ? P.nseg : P.L;
+  const int* off = seg_table(P, q);
+  const unsigned need =
+      (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, ns, mb_begin(off, ns, M, i), mb_begin(off, ns, M, i + 1)));
+  return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase);
 }
 
 }  // namespace mok

@@ -33,6 +33,7 @@ _PHASES = {
     8: "peer start signal (a peer rank has not launched this call)",
     9: "peer compute-done signal (a peer rank has not finished its experts)",
     10: "peer token count",
+    12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, MOK_MACROBATCHES)",
 }
 
 
@@ -160,6 +161,8 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
         lib.mok_workspace_bytes.restype = ctypes.c_longlong
         lib.mok_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
+        lib.mok_forward_check.restype = ctypes.c_int
+        lib.mok_forward_check.argtypes = [ctypes.POINTER(_Args), ctypes.c_char_p, ctypes.c_int]
         for fn in (lib.mok_forward_emulated_launch, lib.mok_forward_rank_launch):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
@@ -172,6 +175,13 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
 
 def _fail(msg: str) -> None:
     raise ValueError(f"mok_forward_emulated: {msg}")
+
+
+def rejection(lib, args) -> str:
+    """The library's reason for refusing a launch struct (mok_workspace_bytes returned -1)."""
+    ebuf = ctypes.create_string_buffer(1024)
+    lib.mok_forward_check(ctypes.byref(args), ebuf, 1024)
+    return ebuf.value.decode(errors="replace") or "rejected by the library"
 
 
 def capturing(device=None) -> bool:
@@ -496,7 +506,7 @@ def mok_forward_emulated(
             _fail(f"keep has {keep.rows} rows per owner, every routed row may land on one owner: need {sum(Ts) * K}")
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
-        _fail("invalid sizes (rejected by the library)")
+        _fail(f"invalid launch: {rejection(lib, args)}")
     ws = launch_workspace(_ws_cache, dev, nbytes, device)
     err = _err_cache.get(dev)
     if err is None:

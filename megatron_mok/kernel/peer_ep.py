@@ -40,6 +40,7 @@ from .emulated import (
     dense_weight_pointers,
     load_library,
     refuse_capture,
+    rejection,
     set_expert_weights,
 )
 from .errors import MokKernelError, raise_recorded_error
@@ -303,7 +304,7 @@ def mok_forward_rank(
         keep.bind(args, 1, H, F, minibatch_tokens, device, _fail, fp8)
     nbytes = lib.mok_workspace_bytes(ctypes.byref(args))
     if nbytes < 0:
-        _fail("invalid sizes (rejected by the library)")
+        _fail(f"invalid launch: {rejection(lib, args)}")
     if bufs.workspace is None or bufs.workspace.numel() < nbytes:
         bufs.workspace = torch.empty((max(nbytes, 1) + 4096,), dtype=torch.uint8, device=device)
     args.workspace = bufs.workspace.data_ptr()

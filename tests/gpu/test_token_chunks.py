@@ -1,0 +1,108 @@
+"""GPU tests of the forward's token chunks (MOK_MACROBATCHES = B > 1, EP 1; ring_buffer.cuh: seg_table).
+
+The rows are processed in B chunks of tokens, each expert's rows cut on the 128-row tile grid, so the final
+sum of a chunk's tokens runs while later chunks' GEMMs do. Every row's result and every token's k-ordered
+fp32 sum are the same computation in any order: outputs, combine rows, tokens per expert, the saved fc1
+output and the kept rows must equal the B = 1 launch's bit for bit, and the backward on top of them too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from mok_truth import make_backward_case  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    import megatron_mok.kernel as k
+
+    if not k.is_available():
+        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
+    return k
+
+
+def _launch(kernel, monkeypatch, B, x, idx, wts, w1, w2, **kw):
+    monkeypatch.setenv("MOK_MACROBATCHES", str(B))
+    try:
+        got = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+        torch.cuda.synchronize()
+        return got
+    finally:
+        monkeypatch.delenv("MOK_MACROBATCHES")
+
+
+@pytest.mark.parametrize("B", [2, 3, 4, 8])
+@pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
+@pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1"])
+def test_token_chunks_give_the_same_bits(kernel, monkeypatch, B, comm, mode):
+    L, H, F, K, T = 4, 512, 256, 4, 1500  # 12 token chunks of 128: several per macrobatch, ring wraps
+    x, idx, wts, w1, w2, _ = make_backward_case(1, L, H, F, K, [T], mode, seed=40 + B)
+    rows = T * K
+    kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=256)
+
+    def run(b):
+        h = [torch.full((rows, 2 * F), float("nan"), dtype=torch.bfloat16, device="cuda")]
+        out, comb, tpe = _launch(kernel, monkeypatch, b, x, idx, wts, w1, w2, saved_h=h, **kw)
+        return out[0], comb[0], tpe[0], h[0].nan_to_num(7.0)
+
+    ref = run(1)
+    got = run(B)
+    for name, a, b in zip(("out", "combine", "tokens_per_expert", "saved h"), got, ref):
+        assert torch.equal(a, b), f"B={B}: {name} differs from the unchunked launch"
+
+
+def test_token_chunks_fp8_and_few_tokens(kernel, monkeypatch):
+    """FP8 kernel; and more chunks than 128-token chunks of tokens (empty chunks, empty segments)."""
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    for T, B in ((1100, 4), (200, 8)):
+        x, idx, wts, w1, w2, _ = make_backward_case(1, 3, 256, 256, 2, [T], "skewed", seed=T)
+        kw = dict(comm_sms=0, ring_slots=2, minibatch_tokens=128, fp8=quantize_expert_weights(w1, w2))
+        a = _launch(kernel, monkeypatch, 1, x, idx, wts, w1, w2, **kw)
+        b = _launch(kernel, monkeypatch, B, x, idx, wts, w1, w2, **kw)
+        assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1][0], b[1][0]), f"T={T} B={B}: fp8 output differs"
+
+
+def test_token_chunks_with_kept_rows_and_backward(kernel, monkeypatch):
+    """Kept rows sit at their layout rows whatever the processing order: the backward gives the same bits."""
+    import megatron_mok.kernel.backward as bk
+    from megatron_mok.kernel import KeptRows
+
+    L, H, F, K, T = 3, 512, 384, 4, 1400
+    x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
+    rows = T * K
+    cfg = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192)
+    res = {}
+    for B in (1, 4):
+        keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
+        h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
+        out, comb, _ = _launch(kernel, monkeypatch, B, x, idx, wts, w1, w2, saved_h=h, keep=keep, **cfg)
+        grads = bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
+        torch.cuda.synchronize()
+        res[B] = (out[0], keep.x[0].clone(), keep.act[0].clone(), h[0], grads[0][0], grads[2][0][0])
+    for name, a, b in zip(("out", "kept x", "kept act", "saved h", "grad_x", "dW1[0]"), res[4], res[1]):
+        assert torch.equal(a, b), f"{name} differs with token chunks"
+
+
+def test_token_chunks_refuse_what_they_do_not_cover(kernel, monkeypatch):
+    x, idx, wts, w1, w2, _ = make_backward_case(2, 2, 256, 256, 2, [300, 300], "uniform", seed=1)
+    kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128)
+    monkeypatch.setenv("MOK_MACROBATCHES", "2")
+    with pytest.raises(ValueError, match="MOK_MACROBATCHES=2 needs EP 1"):
+        kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    for bad in ("0", "65", "two"):
+        monkeypatch.setenv("MOK_MACROBATCHES", bad)
+        with pytest.raises(ValueError, match="MOK_MACROBATCHES must be an integer"):
+            kernel.mok_forward_emulated([x[0]], [idx[0]], [wts[0]], [w1[0]], [w2[0]], **kw)
+    x, idx, wts, w1, w2, _ = make_backward_case(1, 200, 128, 128, 2, [300], "uniform", seed=2)
+    monkeypatch.setenv("MOK_MACROBATCHES", "3")  # 3 x 200 segments > 512
+    with pytest.raises(ValueError, match="row segments"):
+        kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
