@@ -1,8 +1,14 @@
 // Ring buffer protocol between the comm (dispatch) SMs and the compute (expert FFN) SMs of one rank.
 //
-//   minibatch i = rows [mb_begin(i), mb_begin(i+1)) of rank q's expert-major layout (may span experts),
+//   minibatch i = rows [mb_begin(i), mb_begin(i+1)) of rank q's processing order (may span segments),
 //                 i < nmb = ceil(N_q / M); boundary i is i*M rounded down to the kBM-row tile grid of the
-//                 expert it falls in, so a minibatch holds < M + kBM rows (P.slot_rows = M + kBM - 1)
+//                 segment it falls in, so a minibatch holds < M + kBM rows (P.slot_rows = M + kBM - 1).
+//                 The processing order is the expert-major layout itself (one segment per expert), or with
+//                 token chunks (MOK_MACROBATCHES = B > 1, EP 1) B x L segments (chunk J, expert e), J-major:
+//                 expert e's layout rows [c_J(e), c_{J+1}(e)), c_J(e) = its rows from the tokens before chunk
+//                 J rounded down to 128 (schedule.cuh). Same tiles as B = 1 (only an expert's last segment
+//                 ends in a partial one); the final sum of chunk J's tokens runs once its segments are pushed
+//                 (push_combine.cuh: chunk_sums), while the later chunks' GEMMs run.
 //   slot s = i % S, round j = i / S
 //   ready[q][i]      : +1 by each pulling CTA after it copied its share of minibatch i into slot s.
 //                      Compute may read slot s for minibatch i once ready >= comm_sms (minibatch 0, and
@@ -17,8 +23,8 @@
 //   minibatch i owns cnt_i * (nt1 + nt2) consecutive tickets, cnt_i = its row blocks (count_mtiles);
 //   u = ticket - first ticket of i:  u < cnt_i*nt1 -> fc1 tile (raster 0: mt = u / nt1, nt = u % nt1)
 //                                    else          -> fc2 tile (mt, nt over nt2)
-// Row blocks ("m-tiles") of a minibatch: each expert segment inside the minibatch split into
-// kBM-row tiles, in expert order; mt_max = ceil(slot_rows / kBM) + min(L, slot_rows) - 1 bounds their number.
+// Row blocks ("m-tiles") of a minibatch: each segment inside the minibatch split into kBM-row tiles, in
+// segment order; mt_max = ceil(slot_rows / kBM) + min(segments, slot_rows) - 1 bounds their number.
 // Only an expert's last row block can be partial: a boundary never cuts a tile in two (with fixed
 // i*M boundaries the DeepSeek-V3 slice, 32 experts, ran ~3 % more tiles at M = 2048).
 #pragma once
