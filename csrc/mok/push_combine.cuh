@@ -137,7 +137,7 @@ __device__ bool chunk_sums(const Params& P, int q, int worker, int nworkers) {
     int ok = 1;
     if (lane == 0)  // every minibatch that starts before `end` (the last may hold rows of chunk J + 1 too)
       for (; i < nmb && mb_begin(off, ns, M, i) < end; ++i)
-        if (!wait_mb_done(P, q, i, kPhaseChunkDone)) { ok = 0; break; }
+        if (!wait_mb_done(P, q, i, kPhaseChunkDone, 2)) { ok = 0; break; }  // secondary, as the final sum's wait
     __syncwarp();  // the other lanes' reads of the pushed rows after lane 0's acquire
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (!ok) return false;

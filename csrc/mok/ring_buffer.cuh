@@ -132,13 +132,14 @@ __device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int
   return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows + (v - a);
 }
 
-// Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout.
-__device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase) {
+// Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout
+// (slack: secondary waiters wait longer, so the stalled stage's own waiter reports first).
+__device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase, int slack = 1) {
   const int M = P.minibatch, ns = P.macrobatches > 1 ? P.nseg : P.L;
   const int* off = seg_table(P, q);
   const unsigned need =
       (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, ns, mb_begin(off, ns, M, i), mb_begin(off, ns, M, i + 1)));
-  return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase);
+  return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase, slack);
 }
 
 }  // namespace mok
