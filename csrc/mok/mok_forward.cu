@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers, last_chunk);
     if (P.timeline) {
       __syncthreads();
-      if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+      if (threadIdx.x == 0) timeline_record(P, kTlCombine, (unsigned)max(last_chunk, 0), t0, globaltimer_ns());
     }
   } else {
     compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers, last_chunk);
     if (P.timeline) {
       named_bar_sync(1, 256);
-      if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+      if (threadIdx.x == 128) timeline_record(P, kTlCombine, (unsigned)max(last_chunk, 0), t0, globaltimer_ns());
     }
   }
 }

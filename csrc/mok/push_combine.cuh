@@ -9,6 +9,7 @@
 #pragma once
 #include "common.cuh"
 #include "ring_buffer.cuh"
+#include "timeline.cuh"
 #include "timeout.cuh"
 
 namespace mok {
@@ -141,7 +142,9 @@ __device__ bool chunk_sums(const Params& P, int q, int worker, int nworkers) {
     __syncwarp();  // the other lanes' reads of the pushed rows after lane 0's acquire
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (!ok) return false;
+    const unsigned long long t0 = P.timeline != nullptr ? globaltimer_ns() : 0ull;
     combine_reduce<VP, KB>(P, q, worker, nworkers, J);
+    if (P.timeline != nullptr && lane == 0) timeline_record(P, kTlCombine, (unsigned)J, t0, globaltimer_ns());
   }
   return true;
 }
