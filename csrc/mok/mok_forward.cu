@@ -83,20 +83,25 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   const int n_comp = P.ctas_per_rank - P.comm_sms;
   const int warp = threadIdx.x >> 5;
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
-  // token chunks (B > 1): the final sum of chunk B-1 at the end; chunks 0 .. B-2 were summed before
-  const int last_chunk = P.macrobatches > 1 ? P.macrobatches - 1 : -1;
+  // token chunks (B > 1): the early sums of chunks 0 .. B-2 start before (chunk_sums); the final sum takes
+  // what they left and chunk B-1 (sum_all_chunks)
+  const bool chunked = P.macrobatches > 1;
+  const int last_chunk = chunked ? P.macrobatches - 1 : 0;
   if (local < P.comm_sms) {
     if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
     // (an abort inside is recorded in P.err: the wait below then fails for every thread of the CTA)
-    if (P.macrobatches > 1 && !MOK_DBG(1)) chunk_sums<2, 8>(P, q, local * kWarps + warp, P.comm_sms * kWarps);
+    if (chunked && !MOK_DBG(1)) chunk_sums<2, 8>(P, q);
     if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers, last_chunk);
+    if (!MOK_DBG(1)) {
+      if (chunked) sum_all_chunks<2>(P, q);
+      else combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
+    }
     if (P.timeline) {
       __syncthreads();
-      if (threadIdx.x == 0) timeline_record(P, kTlCombine, (unsigned)max(last_chunk, 0), t0, globaltimer_ns());
+      if (threadIdx.x == 0) timeline_record(P, kTlCombine, (unsigned)last_chunk, t0, globaltimer_ns());
     }
   } else {
     compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
@@ -107,11 +112,13 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1))
-      combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers, last_chunk);
+    if (!MOK_DBG(1)) {
+      if (chunked) sum_all_chunks<4>(P, q);
+      else combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    }
     if (P.timeline) {
       named_bar_sync(1, 256);
-      if (threadIdx.x == 128) timeline_record(P, kTlCombine, (unsigned)max(last_chunk, 0), t0, globaltimer_ns());
+      if (threadIdx.x == 128) timeline_record(P, kTlCombine, (unsigned)last_chunk, t0, globaltimer_ns());
     }
   }
 }
@@ -180,7 +187,7 @@ using namespace mok_host;
 
 struct WsLayout {
   size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, seg_off,
-      seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, zero_end, total;
+      seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end, total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E, B;
 };
@@ -287,6 +294,7 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.counters = take((size_t)mok::ctr_count(np, w.mb_cap, w.mt_max) * 4);
   w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
   w.token_done = take(chunked ? (size_t)std::max<long long>(tokens, 1) * 4 : 0);  // atomicMax from 0
+  w.chunk_cursor = take(chunked ? (size_t)np * w.B * 4 : 0);
   w.zero_end = off;
   w.total = off;
   return w;
@@ -492,6 +500,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.seg_lrow = reinterpret_cast<int*>(wsp + ws.seg_lrow);
   P.expert_cut = reinterpret_cast<int*>(wsp + ws.expert_cut);
   P.token_done = reinterpret_cast<int*>(wsp + ws.token_done);
+  P.chunk_cursor = reinterpret_cast<unsigned*>(wsp + ws.chunk_cursor);
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   if (a->fp8) {
     P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);

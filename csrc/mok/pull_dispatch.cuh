@@ -162,8 +162,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
     }
   }
   // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
-  if (P.macrobatches > 1 && !MOK_DBG(1))
-    chunk_sums<1, 4>(P, q, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
+  if (P.macrobatches > 1 && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
 }
 
 }  // namespace mok

@@ -55,79 +55,109 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
   }
 }
 
-// worker: warp index among this rank's participating warps; nworkers: their number.
-// Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over KB k at a time: KB * VP loads of 16 B
-// in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so bytes in flight set
-// its speed (one vector per lane left it at about half the device's copy rate): the consumer warps,
-// with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168) VP = 2; the
-// producer warpgroup's in-SM pull warps (56) VP = 1, KB = 4. The k order of the fp32 sum is the same
-// for every VP / KB (results bit-identical).
-// chunk >= 0 (token chunks, B > 1): only the tokens whose rows are all pushed after chunk `chunk`'s
-// segments (token_done, schedule.cuh); -1: every token.
-template <int VP, int KB = 8>
-__device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers, int chunk = -1) {
-  const int lane = threadIdx.x & 31;
-  const RankTable rt = P.ranks[q];
+// One token's output row out[t] = bf16(sum_k w[t,k] * combine[t,k,:]) (fp32, k ascending, unused slots
+// skipped), by one warp. Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over KB k at a time:
+// KB * VP loads of 16 B in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so
+// bytes in flight set its speed (one vector per lane left it at about half the device's copy rate): the
+// consumer warps, with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168)
+// VP = 2; the producer warpgroup's in-SM pull warps (56) VP = 1, KB = 4. The k order of the fp32 sum is
+// the same for every VP / KB (results bit-identical).
+template <int VP, int KB>
+__device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, int t, int lane) {
   const int H = P.H, K = P.K, nv = H / 8;
-  const int* done = chunk >= 0 ? P.token_done + rt.entry_base / K : nullptr;
-  for (int t = worker; t < rt.T; t += nworkers) {
-    if (done != nullptr && done[t] != chunk) continue;  // warp-uniform
-    const int* idx = rt.idx + (long long)t * K;
-    const float* w = rt.w + (long long)t * K;
-    const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
-    uint4* out = reinterpret_cast<uint4*>(rt.out + (long long)t * H);
-    for (int v0 = lane; v0 < nv; v0 += 32 * VP) {
-      float acc[VP][8];
+  const int* idx = rt.idx + (long long)t * K;
+  const float* w = rt.w + (long long)t * K;
+  const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
+  uint4* out = reinterpret_cast<uint4*>(rt.out + (long long)t * H);
+  for (int v0 = lane; v0 < nv; v0 += 32 * VP) {
+    float acc[VP][8];
 #pragma unroll
-      for (int h = 0; h < VP; ++h)
+    for (int h = 0; h < VP; ++h)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-      for (int k0 = 0; k0 < K; k0 += KB) {  // KB rows x VP vectors in flight, then accumulate in k order
-        uint4 d[VP][KB];
-        float wk[KB];
+      for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+    for (int k0 = 0; k0 < K; k0 += KB) {  // KB rows x VP vectors in flight, then accumulate in k order
+      uint4 d[VP][KB];
+      float wk[KB];
 #pragma unroll
-        for (int u = 0; u < KB; ++u) {
-          const int k = k0 + u;
-          const bool ok = k < K && idx[k] >= 0;
-          wk[u] = ok ? w[k] : 0.f;
+      for (int u = 0; u < KB; ++u) {
+        const int k = k0 + u;
+        const bool ok = k < K && idx[k] >= 0;
+        wk[u] = ok ? w[k] : 0.f;
 #pragma unroll
-          for (int h = 0; h < VP; ++h)
-            d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nv + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
-        }
+        for (int h = 0; h < VP; ++h)
+          d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nv + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-        for (int u = 0; u < KB; ++u) {
-          if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
+      for (int u = 0; u < KB; ++u) {
+        if (k0 + u >= K || !(idx[k0 + u] >= 0)) continue;
 #pragma unroll
-          for (int h = 0; h < VP; ++h) {
-            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[h][u]);
+        for (int h = 0; h < VP; ++h) {
+          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&d[h][u]);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 f = __bfloat1622float2(p[i]);
-              acc[h][2 * i] = fmaf(wk[u], f.x, acc[h][2 * i]);
-              acc[h][2 * i + 1] = fmaf(wk[u], f.y, acc[h][2 * i + 1]);
-            }
+          for (int i = 0; i < 4; ++i) {
+            const float2 f = __bfloat1622float2(p[i]);
+            acc[h][2 * i] = fmaf(wk[u], f.x, acc[h][2 * i]);
+            acc[h][2 * i + 1] = fmaf(wk[u], f.y, acc[h][2 * i + 1]);
           }
         }
       }
+    }
 #pragma unroll
-      for (int h = 0; h < VP; ++h) {
-        if (v0 + 32 * h >= nv) break;
-        uint4 o;
-        __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
+    for (int h = 0; h < VP; ++h) {
+      if (v0 + 32 * h >= nv) break;
+      uint4 o;
+      __nv_bfloat162* po = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) po[i] = __floats2bfloat162_rn(acc[h][2 * i], acc[h][2 * i + 1]);
-        out[v0 + 32 * h] = o;
-      }
+      for (int i = 0; i < 4; ++i) po[i] = __floats2bfloat162_rn(acc[h][2 * i], acc[h][2 * i + 1]);
+      out[v0 + 32 * h] = o;
     }
   }
 }
 
-// Token chunks (B = P.macrobatches > 1, EP 1): the final sums of chunks 0 .. B-2, each once every
-// minibatch holding rows of its segments has pushed them, by warps idle by then (the comm SMs' after
-// their pulls, or the in-SM pull warps) while the later chunks' GEMMs run; chunk B-1's tokens are
-// summed at the end by everyone. Returns false on an abort (error recorded by the waiter).
+// The final sum of every token of home rank q, tokens dealt statically: worker = warp index among this
+// rank's participating warps, nworkers = their number.
+template <int VP, int KB = 8>
+__device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
+  const int lane = threadIdx.x & 31;
+  const RankTable rt = P.ranks[q];
+  for (int t = worker; t < rt.T; t += nworkers) sum_token<VP, KB>(P, rt, t, lane);
+}
+
+// Token chunks (B = P.macrobatches > 1, EP 1): the sums of chunk J's tokens (token_done == J, schedule.cuh),
+// by whichever warps come: each grabs kSumGrab tokens at a time from the chunk's cursor, so the warps that
+// start early (chunk_sums) and the ones that join at the end (after compute done) share what is left and a
+// token is summed exactly once.
+constexpr int kSumGrab = 4;
 template <int VP, int KB>
-__device__ bool chunk_sums(const Params& P, int q, int worker, int nworkers) {
+__device__ __forceinline__ void sum_chunk(const Params& P, int q, int J) {
+  const int lane = threadIdx.x & 31;
+  const RankTable rt = P.ranks[q];
+  const int* done = P.token_done + rt.entry_base / P.K;
+  unsigned* cursor = P.chunk_cursor + (long long)part(P, q) * P.macrobatches + J;
+  while (true) {
+    int t0 = 0;
+    if (lane == 0) t0 = (int)atomicAdd(cursor, (unsigned)kSumGrab);
+    t0 = __shfl_sync(0xffffffffu, t0, 0);
+    if (t0 >= rt.T) break;
+    const int t1 = min(rt.T, t0 + kSumGrab);
+    for (int t = t0; t < t1; ++t)
+      if (__ldcg(done + t) == J) sum_token<VP, KB>(P, rt, t, lane);  // warp-uniform (written in this kernel: L2)
+  }
+}
+
+// Every chunk's leftover tokens, then the last chunk's, once every rank's pushes have landed (the final
+// sum with token chunks: warps of the early sums may still be at work on an earlier chunk).
+template <int VP, int KB = 8>
+__device__ __forceinline__ void sum_all_chunks(const Params& P, int q) {
+  for (int J = 0; J < P.macrobatches; ++J) sum_chunk<VP, KB>(P, q, J);
+}
+
+// Token chunks: the sums of chunks 0 .. B-2, each once every minibatch holding rows of its segments has
+// pushed them, by warps idle by then (the comm SMs' after their pulls, or the in-SM pull warps) while the
+// later chunks' GEMMs run; what they have not done by the end, the final sum's warps do (sum_all_chunks).
+// Returns false on an abort (error recorded by the waiter).
+template <int VP, int KB>
+__device__ bool chunk_sums(const Params& P, int q) {
   const int B = P.macrobatches, ns = P.nseg, M = P.minibatch;
   const int lane = threadIdx.x & 31;
   const int* off = seg_table(P, q);
@@ -143,7 +173,7 @@ __device__ bool chunk_sums(const Params& P, int q, int worker, int nworkers) {
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (!ok) return false;
     const unsigned long long t0 = P.timeline != nullptr ? globaltimer_ns() : 0ull;
-    combine_reduce<VP, KB>(P, q, worker, nworkers, J);
+    sum_chunk<VP, KB>(P, q, J);
     if (P.timeline != nullptr && lane == 0) timeline_record(P, kTlCombine, (unsigned)J, t0, globaltimer_ns());
   }
   return true;
