@@ -134,14 +134,24 @@ __device__ __forceinline__ void sum_chunk(const Params& P, int q, int J) {
   const RankTable rt = P.ranks[q];
   const int* done = P.token_done + rt.entry_base / P.K;
   unsigned* cursor = P.chunk_cursor + (long long)part(P, q) * P.macrobatches + J;
+  // a token's chunk is never before its own token chunk (its rows sit at or past that chunk's cuts), so
+  // chunk J's tokens lie before the end of token chunk J (EP 1: chunk order = token order, schedule_scan)
+  const int B = P.macrobatches;
+  const int tend = J + 1 >= B ? rt.T
+                              : min(rt.T, (int)(((long long)(J + 1) * P.num_chunks + B - 1) / B) * kChunkTokens);
   while (true) {
     int t0 = 0;
     if (lane == 0) t0 = (int)atomicAdd(cursor, (unsigned)kSumGrab);
     t0 = __shfl_sync(0xffffffffu, t0, 0);
-    if (t0 >= rt.T) break;
-    const int t1 = min(rt.T, t0 + kSumGrab);
-    for (int t = t0; t < t1; ++t)
-      if (__ldcg(done + t) == J) sum_token<VP, KB>(P, rt, t, lane);  // warp-uniform (written in this kernel: L2)
+    if (t0 >= tend) break;
+    // the grab's chunk numbers read together (written in this kernel: through L2), then its tokens in order
+    const bool mine = lane < kSumGrab && t0 + lane < tend && __ldcg(done + t0 + lane) == J;
+    unsigned todo = __ballot_sync(0xffffffffu, mine);
+    while (todo) {
+      const int u = __ffs(todo) - 1;
+      todo &= todo - 1;
+      sum_token<VP, KB>(P, rt, t0 + u, lane);
+    }
   }
 }
 
