@@ -33,12 +33,6 @@ inline int write_err(char* buf, int len, const char* fmt, ...) {
   return 1;
 }
 
-// A 0/1 launcher knob from the environment: unset -> `dflt`, else nonzero -> 1.
-inline int env_flag(const char* name, int dflt) {
-  const char* v = getenv(name);
-  return v ? (atoi(v) != 0 ? 1 : 0) : dflt;
-}
-
 // An integer launcher knob from the environment in [lo, hi]: unset -> `dflt`; false (out untouched) if it
 // is set to anything else, for the launcher to report -- a mistyped knob must not time the default.
 inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {

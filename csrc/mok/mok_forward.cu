@@ -461,13 +461,16 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
   {
-    const char* rs = getenv("MOK_RASTER");  // tuning knob (bench sweeps it)
-    P.raster = rs ? std::max(0, std::min(64, atoi(rs))) : 0;
-    const char* ds = getenv("MOK_DEBUG");  // timing ablations only
+    // tuning knobs (README: launcher tuning knobs): a value outside the range is an error, not a clamp
+    if (!env_choice("MOK_RASTER", 0, 0, 64, &P.raster))  // ticket order (bench sweeps it)
+      return write_err(errbuf, errlen, "MOK_RASTER must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER"));
+    const char* ds = getenv("MOK_DEBUG");  // timing ablations only (the -DMOK_ABLATION build reads it)
     P.debug = ds ? atoi(ds) : 0;
-    const char* ls = getenv("MOK_CONSUMER_LEAD_NS");  // tuning knob (bench_fp8.py --ab-lead)
-    P.consumer_lead_ns = ls ? std::max(0, std::min(100000, atoi(ls))) : 0;
-    P.consumer_sync = env_flag("MOK_CONSUMER_SYNC", 0);  // tuning knob (bench_fp8.py --ab-env): lock-step consumers
+    if (!env_choice("MOK_CONSUMER_LEAD_NS", 0, 0, 100000, &P.consumer_lead_ns))
+      return write_err(errbuf, errlen, "MOK_CONSUMER_LEAD_NS must be an integer in [0, 100000], got '%s'",
+                       getenv("MOK_CONSUMER_LEAD_NS"));
+    if (!env_choice("MOK_CONSUMER_SYNC", 0, 0, 1, &P.consumer_sync))  // lock-step consumers
+      return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
     // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
     // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
     if (!env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, &P.fp8_issue_order))

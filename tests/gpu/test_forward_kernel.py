@@ -97,6 +97,17 @@ def test_single_slot_ring_odd_minibatch(kernel):
     _run_case(kernel, 2, 4, Ts=[777, 555], mode="uniform", comm_sms=3, ring_slots=1, minibatch=200, seed=6, **SMALL)
 
 
+@pytest.mark.parametrize(
+    "var,bad",
+    [("MOK_RASTER", "65"), ("MOK_RASTER", "band"), ("MOK_CONSUMER_SYNC", "2"), ("MOK_CONSUMER_LEAD_NS", "-5")],
+)
+def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
+    """A mistyped launcher knob is a launch error naming it (README: launcher tuning knobs), not a clamp."""
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(kernel.MokKernelError, match=f"{var} must be"):
+        _run_case(kernel, 1, 2, Ts=[64], mode="uniform", seed=3, **SMALL)
+
+
 @pytest.mark.parametrize("raster", ["1", "4"])
 def test_ticket_orders(kernel, raster, monkeypatch):
     monkeypatch.setenv("MOK_RASTER", raster)  # tuning knob read by the host launcher
