@@ -61,15 +61,16 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
 // bytes in flight set its speed (one vector per lane left it at about half the device's copy rate): the
 // consumer warps, with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168)
 // VP = 2; the producer warpgroup's in-SM pull warps (56) VP = 1, KB = 4. The k order of the fp32 sum is
-// the same for every VP / KB (results bit-identical).
+// the same for every VP / KB (results bit-identical). [vb, ve): the 8-column vectors to sum (all: 0, H / 8).
 template <int VP, int KB>
-__device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, int t, int lane) {
-  const int H = P.H, K = P.K, nv = H / 8;
+__device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, int t, int lane, int vb, int ve) {
+  const int H = P.H, K = P.K, nv = ve;
   const int* idx = rt.idx + (long long)t * K;
   const float* w = rt.w + (long long)t * K;
   const uint4* cb = reinterpret_cast<const uint4*>(rt.combine + (long long)t * K * H);
   uint4* out = reinterpret_cast<uint4*>(rt.out + (long long)t * H);
-  for (int v0 = lane; v0 < nv; v0 += 32 * VP) {
+  const int nvr = H / 8;  // vectors per combine row
+  for (int v0 = vb + lane; v0 < nv; v0 += 32 * VP) {
     float acc[VP][8];
 #pragma unroll
     for (int h = 0; h < VP; ++h)
@@ -85,7 +86,7 @@ __device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, 
         wk[u] = ok ? w[k] : 0.f;
 #pragma unroll
         for (int h = 0; h < VP; ++h)
-          d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nv + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
+          d[h][u] = ok && v0 + 32 * h < nv ? cb[(long long)k * nvr + v0 + 32 * h] : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int u = 0; u < KB; ++u) {
@@ -120,46 +121,55 @@ template <int VP, int KB = 8>
 __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
-  for (int t = worker; t < rt.T; t += nworkers) sum_token<VP, KB>(P, rt, t, lane);
+  for (int t = worker; t < rt.T; t += nworkers) sum_token<VP, KB>(P, rt, t, lane, 0, P.H / 8);
 }
 
 // Token chunks (B = P.macrobatches > 1, EP 1): the sums of chunk J's tokens (token_done == J, schedule.cuh),
-// by whichever warps come: each grabs kSumGrab tokens at a time from the chunk's cursor, so the warps that
-// start early (chunk_sums) and the ones that join at the end (after compute done) share what is left and a
-// token is summed exactly once.
-constexpr int kSumGrab = 4;
-template <int VP, int KB>
-__device__ __forceinline__ void sum_chunk(const Params& P, int q, int J) {
+// by whichever warps come, in units of a quarter row (kSumParts per token): each warp grabs G units at a
+// time from the chunk's cursor, so the warps that start early (chunk_sums) and the ones that join at the
+// end (after compute done) share what is left, and every unit is summed exactly once. Quarter rows, so a
+// slow early warp (56 registers: ~20 us a unit) holds the kernel's end up by little once it stops
+// grabbing: early warps stop (early_stop) as soon as compute is done and the fast final warps take over.
+constexpr int kSumParts = 4;
+template <int VP, int KB, int G>
+__device__ __forceinline__ void sum_chunk(const Params& P, int q, int J, bool early_stop) {
+  static_assert(G <= 32, "a grab's chunk numbers are read by one lane each");
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
   const int* done = P.token_done + rt.entry_base / P.K;
   unsigned* cursor = P.chunk_cursor + (long long)part(P, q) * P.macrobatches + J;
+  const unsigned* computed = ctr_compute_done(P);
+  const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
+  const int nv = P.H / 8, per = (nv + kSumParts - 1) / kSumParts;
   // a token's chunk is never before its own token chunk (its rows sit at or past that chunk's cuts), so
   // chunk J's tokens lie before the end of token chunk J (EP 1: chunk order = token order, schedule_scan)
   const int B = P.macrobatches;
   const int tend = J + 1 >= B ? rt.T
                               : min(rt.T, (int)(((long long)(J + 1) * P.num_chunks + B - 1) / B) * kChunkTokens);
+  const long long uend = (long long)tend * kSumParts;
   while (true) {
-    int t0 = 0;
-    if (lane == 0) t0 = (int)atomicAdd(cursor, (unsigned)kSumGrab);
-    t0 = __shfl_sync(0xffffffffu, t0, 0);
-    if (t0 >= tend) break;
-    // the grab's chunk numbers read together (written in this kernel: through L2), then its tokens in order
-    const bool mine = lane < kSumGrab && t0 + lane < tend && __ldcg(done + t0 + lane) == J;
+    long long u0 = 0;
+    if (lane == 0) u0 = (early_stop && ld_acquire_gpu(computed) >= n_comp) ? uend : (long long)atomicAdd(cursor, (unsigned)G);
+    u0 = __shfl_sync(0xffffffffu, u0, 0);
+    if (u0 >= uend) break;
+    // the grab's chunk numbers read together (written in this kernel: through L2), then its units in order
+    const bool mine = lane < G && u0 + lane < uend && __ldcg(done + (u0 + lane) / kSumParts) == J;
     unsigned todo = __ballot_sync(0xffffffffu, mine);
     while (todo) {
-      const int u = __ffs(todo) - 1;
+      const int g = __ffs(todo) - 1;
       todo &= todo - 1;
-      sum_token<VP, KB>(P, rt, t0 + u, lane);
+      const long long u = u0 + g;
+      const int vb = (int)(u % kSumParts) * per;
+      sum_token<VP, KB>(P, rt, (int)(u / kSumParts), lane, vb, min(nv, vb + per));
     }
   }
 }
 
-// Every chunk's leftover tokens, then the last chunk's, once every rank's pushes have landed (the final
-// sum with token chunks: warps of the early sums may still be at work on an earlier chunk).
+// Every chunk's leftover units, then the last chunk's, once every rank's pushes have landed (the final
+// sum with token chunks: warps of the early sums may still be finishing a unit).
 template <int VP, int KB = 8>
 __device__ __forceinline__ void sum_all_chunks(const Params& P, int q) {
-  for (int J = 0; J < P.macrobatches; ++J) sum_chunk<VP, KB>(P, q, J);
+  for (int J = 0; J < P.macrobatches; ++J) sum_chunk<VP, KB, kSumParts>(P, q, J, false);
 }
 
 // Token chunks: the sums of chunks 0 .. B-2, each once every minibatch holding rows of its segments has
@@ -183,7 +193,7 @@ __device__ bool chunk_sums(const Params& P, int q) {
     ok = __shfl_sync(0xffffffffu, ok, 0);
     if (!ok) return false;
     const unsigned long long t0 = P.timeline != nullptr ? globaltimer_ns() : 0ull;
-    sum_chunk<VP, KB>(P, q, J);
+    sum_chunk<VP, KB, 1>(P, q, J, true);  // one unit a grab: a slow warp holds back little when it stops
     if (P.timeline != nullptr && lane == 0) timeline_record(P, kTlCombine, (unsigned)J, t0, globaltimer_ns());
   }
   return true;
