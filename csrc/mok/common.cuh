@@ -141,7 +141,7 @@ struct Params {
   int* seg_lrow;                      // B > 1: [nparts][nseg] layout row of each segment's first row
   int* expert_cut;                    // B > 1: [E][B + 1] rows of expert e from the tokens before chunk j
   int* token_done;                    // B > 1: [sum_r T_r] the segment chunk after which a token's rows are pushed
-  unsigned* chunk_cursor;             // B > 1: [nparts][B] next token of chunk J to sum (zeroed per launch)
+  unsigned* chunk_cursor;             // B > 1: [nparts][B] next unit (token x kSumParts + quarter row) of chunk J to sum (zeroed per launch)
   unsigned* counters;                 // see ctr_* helpers (zeroed per launch)
   int* err;                           // [8]
   TimelineEvent* timeline;            // optional [grid][timeline_cap] events (timeline.cuh), or nullptr

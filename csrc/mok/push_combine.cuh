@@ -155,12 +155,18 @@ __device__ __forceinline__ void sum_chunk(const Params& P, int q, int J, bool ea
     // the grab's chunk numbers read together (written in this kernel: through L2), then its units in order
     const bool mine = lane < G && u0 + lane < uend && __ldcg(done + (u0 + lane) / kSumParts) == J;
     unsigned todo = __ballot_sync(0xffffffffu, mine);
-    while (todo) {
-      const int g = __ffs(todo) - 1;
+    while (todo) {  // runs of consecutive units of one token as one range (a whole row: one pass per 32*VP)
+      int g = __ffs(todo) - 1;
       todo &= todo - 1;
       const long long u = u0 + g;
-      const int vb = (int)(u % kSumParts) * per;
-      sum_token<VP, KB>(P, rt, (int)(u / kSumParts), lane, vb, min(nv, vb + per));
+      const int p0 = (int)(u % kSumParts);
+      int p1 = p0 + 1;
+      while (p1 < kSumParts && g + 1 < 32 && ((todo >> (g + 1)) & 1u)) {
+        ++g;
+        ++p1;
+        todo &= ~(1u << g);
+      }
+      sum_token<VP, KB>(P, rt, (int)(u / kSumParts), lane, p0 * per, min(nv, p1 * per));
     }
   }
 }
