@@ -192,7 +192,9 @@ __device__ bool chunk_sums(const Params& P, int q) {
   const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
   for (int J = 0; J + 1 < B; ++J) {
     // compute done: the final sum's warps take everything left (sum_all_chunks), faster than these
-    if (ld_acquire_gpu(ctr_compute_done(P)) >= n_comp) return true;
+    // (lane 0 reads, the warp follows: lanes reading on their own could disagree)
+    const int stop = __shfl_sync(0xffffffffu, lane == 0 && ld_acquire_gpu(ctr_compute_done(P)) >= n_comp, 0);
+    if (stop) return true;
     const int end = off[(J + 1) * P.L];  // processing-order end of chunk J's segments
     int ok = 1;
     if (lane == 0)  // every minibatch that starts before `end` (the last may hold rows of chunk J + 1 too)
