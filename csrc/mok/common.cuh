@@ -136,7 +136,7 @@ struct Params {
   // processing order is B * L segments (J, e): expert e's rows [c_J(e), c_{J+1}(e)) of its layout rows,
   // cut on the 128-row tile grid. B = 1: one segment per expert, processing order = layout order.
   int macrobatches;                   // B
-  int nseg;                           // segments per owner: B * L
+  int nseg;                           // forward: segments per owner, B * L (B = 1: L, the experts)
   int* seg_off;                       // B > 1: [nparts][nseg + 1] processing-order row of each segment's start
   int* seg_lrow;                      // B > 1: [nparts][nseg] layout row of each segment's first row
   int* expert_cut;                    // B > 1: [E][B + 1] rows of expert e from the tokens before chunk j

@@ -88,7 +88,7 @@ __device__ __forceinline__ float silu_tanh_f(float g) {
 template <bool kFp8>
 __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
-  const int NS = P.macrobatches > 1 ? P.nseg : L;  // processing-order segments (B = 1: the experts)
+  const int NS = P.nseg;  // processing-order segments (B = 1: the experts)
   const int N = sm.off[NS];
   const int nmb = num_minibatches(N, M);
   // Dense tickets: minibatch mb owns cnt(mb) * (nt1 + nt2) consecutive tickets, cnt = its row blocks
@@ -427,7 +427,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     cutlass::arch::fence_barrier_init();
   }
   {  // the processing-order segment table (B = 1: the expert offsets) and, with token chunks, layout rows
-    const int ns = P.macrobatches > 1 ? P.nseg : P.L;
+    const int ns = P.nseg;
     const int* so = seg_table(P, q);
     for (int e = threadIdx.x; e <= ns; e += blockDim.x) sm.off[e] = so[e];
     if (P.macrobatches > 1)

@@ -63,6 +63,13 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   // loaded block 0's scales and a register rotation at the loop top copied them before block 0's issue:
   // an L2 round trip before every tile's first group. Same values and operations: bit-identical.)
   float ca0 = 1.f, ca1 = 1.f, cb0 = 1.f, cb1 = 1.f, na0 = 1.f, na1 = 1.f, nb0 = 1.f, nb1 = 1.f;
+  // block kb's four scales (1 for a row / column block past the tile)
+  auto load_scales = [&](int kb, float& a0, float& a1, float& b0, float& b1) {
+    a0 = sa0 ? __ldcg(sa0 + kb) : 1.f;
+    a1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
+    b0 = sb0 ? __ldg(sb0 + kb) : 1.f;
+    b1 = sb1 ? __ldg(sb1 + kb) : 1.f;
+  };
   int prev = 0;
   for (int kb = 0; kb < nk; ++kb) {
     if (kb > 0) {
@@ -75,12 +82,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       }
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
       ca0 = na0; ca1 = na1; cb0 = nb0; cb1 = nb1;
-      if (kb + 1 < nk) {
-        na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
-        na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
-        nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
-        nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
-      }
+      if (kb + 1 < nk) load_scales(kb + 1, na0, na1, nb0, nb1);
     }
     mbar_wait(P, &sm.full[st], ph, q, 4);
     if (issued != nullptr && wgc == 1) mbar_wait(P, &issued[st], ph, q, 7);  // after the first warpgroup's group
@@ -96,16 +98,8 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     cute::warpgroup_commit_batch();
     if (signal_issue) Barrier::arrive(&issued[st]);  // this warp's part issued
     if (kb == 0) {
-      ca0 = sa0 ? __ldcg(sa0) : 1.f;
-      ca1 = sa1 ? __ldcg(sa1) : 1.f;
-      cb0 = sb0 ? __ldg(sb0) : 1.f;
-      cb1 = sb1 ? __ldg(sb1) : 1.f;
-      if (nk > 1) {
-        na0 = sa0 ? __ldcg(sa0 + 1) : 1.f;
-        na1 = sa1 ? __ldcg(sa1 + 1) : 1.f;
-        nb0 = sb0 ? __ldg(sb0 + 1) : 1.f;
-        nb1 = sb1 ? __ldg(sb1 + 1) : 1.f;
-      }
+      load_scales(0, ca0, ca1, cb0, cb1);
+      if (nk > 1) load_scales(1, na0, na1, nb0, nb1);
     }
     after_issue(kb);
     prev = st;

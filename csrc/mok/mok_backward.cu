@@ -450,9 +450,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
-    if (!env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, &B.fp8_issue_order))  // FP8 dgrad: as the forward (fp8_kloop.cuh)
-      return write_err(errbuf, errlen, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
-                       getenv("MOK_FP8_ISSUE_ORDER"));
+    if (!fp8_issue_order_knob(&B.fp8_issue_order, errbuf, errlen)) return 1;  // FP8 dgrad: as the forward
   }
 
   MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));

@@ -473,9 +473,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
       return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
     // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
     // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
-    if (!env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, &P.fp8_issue_order))
-      return write_err(errbuf, errlen, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
-                       getenv("MOK_FP8_ISSUE_ORDER"));
+    if (!fp8_issue_order_knob(&P.fp8_issue_order, errbuf, errlen)) return 1;
     if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &P.fp8_fast_silu))  // expert_ffn.cuh: silu_tanh_f
       return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
   }

@@ -57,7 +57,7 @@ constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3
 template <bool kFp8, int U = kPullUnroll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
   const int* off = seg_table(P, q);
-  const int ns = P.macrobatches > 1 ? P.nseg : P.L;
+  const int ns = P.nseg;
   const int H = P.H;
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;

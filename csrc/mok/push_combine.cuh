@@ -124,6 +124,11 @@ __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worke
   for (int t = worker; t < rt.T; t += nworkers) sum_token<VP, KB>(P, rt, t, lane, 0, P.H / 8);
 }
 
+// Every compute CTA of this launch has finished (ctr_compute_done; its acquire, by the calling thread).
+__device__ __forceinline__ bool all_compute_done(const Params& P) {
+  return ld_acquire_gpu(ctr_compute_done(P)) >= (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
+}
+
 // Token chunks (B = P.macrobatches > 1, EP 1): the sums of chunk J's tokens (token_done == J, schedule.cuh),
 // by whichever warps come, in units of a quarter row (kSumParts per token): each warp grabs G units at a
 // time from the chunk's cursor, so the warps that start early (chunk_sums) and the ones that join at the
@@ -138,8 +143,6 @@ __device__ __forceinline__ void sum_chunk(const Params& P, int q, int J, bool ea
   const RankTable rt = P.ranks[q];
   const int* done = P.token_done + rt.entry_base / P.K;
   unsigned* cursor = P.chunk_cursor + (long long)part(P, q) * P.macrobatches + J;
-  const unsigned* computed = ctr_compute_done(P);
-  const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
   const int nv = P.H / 8, per = (nv + kSumParts - 1) / kSumParts;
   // a token's chunk is never before its own token chunk (its rows sit at or past that chunk's cuts), so
   // chunk J's tokens lie before the end of token chunk J (EP 1: chunk order = token order, schedule_scan)
@@ -149,7 +152,7 @@ __device__ __forceinline__ void sum_chunk(const Params& P, int q, int J, bool ea
   const long long uend = (long long)tend * kSumParts;
   while (true) {
     long long u0 = 0;
-    if (lane == 0) u0 = (early_stop && ld_acquire_gpu(computed) >= n_comp) ? uend : (long long)atomicAdd(cursor, (unsigned)G);
+    if (lane == 0) u0 = (early_stop && all_compute_done(P)) ? uend : (long long)atomicAdd(cursor, (unsigned)G);
     u0 = __shfl_sync(0xffffffffu, u0, 0);
     if (u0 >= uend) break;
     // the grab's chunk numbers read together (written in this kernel: through L2), then its units in order
@@ -189,11 +192,10 @@ __device__ bool chunk_sums(const Params& P, int q) {
   const int* off = seg_table(P, q);
   const int nmb = num_minibatches(off[ns], M);
   int i = 0;  // minibatches seen done
-  const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
   for (int J = 0; J + 1 < B; ++J) {
     // compute done: the final sum's warps take everything left (sum_all_chunks), faster than these
     // (lane 0 reads, the warp follows: lanes reading on their own could disagree)
-    const int stop = __shfl_sync(0xffffffffu, lane == 0 && ld_acquire_gpu(ctr_compute_done(P)) >= n_comp, 0);
+    const int stop = __shfl_sync(0xffffffffu, lane == 0 && all_compute_done(P), 0);
     if (stop) return true;
     const int end = off[(J + 1) * P.L];  // processing-order end of chunk J's segments
     int ok = 1;

@@ -118,15 +118,9 @@ __device__ __forceinline__ int layout_row(const Params& P, int q, const int* off
 }
 
 // Row of rank q's ring (and of its activation / scale rows: same [nparts][S][slot_rows] indexing) that
-// holds minibatch i's first row a = mb_begin(i). Kept rows (P.kept_layout): the ring is the owner's
-// layout-order buffer (one slot per minibatch), so a minibatch sits at its layout rows.
-__device__ __forceinline__ long long mb_slot_row0(const Params& P, int q, int i, int a) {
-  if (P.kept_layout) return (long long)part(P, q) * P.ring_slots * P.slot_rows + a;
-  return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows;
-}
-
-// Slot row of processing-order row v (layout row lrow) of minibatch i (first row a): the ring holds a
-// minibatch in processing order; kept rows sit at their layout rows. B = 1: mb_slot_row0 + (v - a).
+// holds processing-order row v (layout row lrow) of minibatch i (first row a): the ring holds a minibatch
+// in processing order from its slot's first row; kept rows (P.kept_layout: the ring is the owner's
+// layout-order buffer, one slot per minibatch) sit at their layout rows.
 __device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int a, int v, int lrow) {
   if (P.kept_layout) return (long long)part(P, q) * P.ring_slots * P.slot_rows + lrow;
   return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows + (v - a);
@@ -135,7 +129,7 @@ __device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int
 // Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout
 // (slack: secondary waiters wait longer, so the stalled stage's own waiter reports first).
 __device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase, int slack = 1) {
-  const int M = P.minibatch, ns = P.macrobatches > 1 ? P.nseg : P.L;
+  const int M = P.minibatch, ns = P.nseg;
   const int* off = seg_table(P, q);
   const unsigned need =
       (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, ns, mb_begin(off, ns, M, i), mb_begin(off, ns, M, i + 1)));

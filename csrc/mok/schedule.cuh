@@ -30,6 +30,24 @@ __device__ __forceinline__ int chunk_to_rank(const Params& P, int g) {
 // per group, while the rest of the grid waits at the next grid barrier.
 constexpr int kSchedBatch = 4;
 
+// The routing entries [e0, e1) of chunk g (kChunkTokens tokens x K of source rank r).
+__device__ __forceinline__ void chunk_entries(const Params& P, const RankTable& rt, int g, int& e0, int& e1) {
+  const int c = g - rt.chunk_base;
+  const int t0 = c * kChunkTokens;
+  e0 = t0 * P.K;
+  e1 = min(rt.T, t0 + kChunkTokens) * P.K;
+}
+
+// This lane's routing entries b0 + 32u + lane (u < kSchedBatch) of a chunk ending at e1, all loads in
+// flight together (-1 past the chunk).
+__device__ __forceinline__ void read_entries_ahead(const RankTable& rt, int b0, int e1, int lane, int (&exs)[kSchedBatch]) {
+#pragma unroll
+  for (int u = 0; u < kSchedBatch; ++u) {
+    const int ent = b0 + 32 * u + lane;
+    exs[u] = ent < e1 ? rt.idx[ent] : -1;
+  }
+}
+
 // Phase A. s_cnt: dynamic smem of cnt_ints ints (>= MOK_MAX_EXPERTS, static_assert at the callers),
 // free during the schedule. Each counting warp keeps its chunk's per-expert counts in E ints of its own
 // there (an L2 read-modify-write per group of 32 entries before), and writes the nonzero ones out to
@@ -49,17 +67,11 @@ __device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
   for (int g = gwarp; g < P.num_chunks; g += nwarps) {
     const int r = chunk_to_rank(P, g);
     const RankTable rt = P.ranks[r];
-    const int c = g - rt.chunk_base;
-    const int t0 = c * kChunkTokens;
-    const int t1 = min(rt.T, t0 + kChunkTokens);
-    const int e0 = t0 * P.K, e1 = t1 * P.K;
+    int e0, e1;
+    chunk_entries(P, rt, g, e0, e1);
     for (int b0 = e0; b0 < e1; b0 += 32 * kSchedBatch) {
       int exs[kSchedBatch];
-#pragma unroll
-      for (int u = 0; u < kSchedBatch; ++u) {
-        const int ent = b0 + 32 * u + lane;
-        exs[u] = ent < e1 ? rt.idx[ent] : -1;
-      }
+      read_entries_ahead(rt, b0, e1, lane, exs);
 #pragma unroll
       for (int u = 0; u < kSchedBatch; ++u) {
         const int base = b0 + 32 * u;
@@ -207,19 +219,14 @@ __device__ void schedule_place(const Params& P, int* s_start) {
   for (int g = gwarp; g < P.num_chunks; g += nwarps) {
     const int r = chunk_to_rank(P, g);
     const RankTable rt = P.ranks[r];
-    const int c = g - rt.chunk_base;
-    const int e0 = c * kChunkTokens * P.K;
-    const int e1 = min(rt.T, (c + 1) * kChunkTokens) * P.K;
+    int e0, e1;
+    chunk_entries(P, rt, g, e0, e1);
     // kSchedBatch groups at a time, in three sweeps (idx; then counts and ranks; then the stores), so each
     // sweep's loads are in flight together: the layout stores may alias the loads as far as the compiler
     // knows, so one loop per entry would serialise two round trips per group
     for (int b0 = e0; b0 < e1; b0 += 32 * kSchedBatch) {
       int exs[kSchedBatch];
-#pragma unroll
-      for (int u = 0; u < kSchedBatch; ++u) {
-        const int ent = b0 + 32 * u + lane;
-        exs[u] = ent < e1 ? rt.idx[ent] : -1;
-      }
+      read_entries_ahead(rt, b0, e1, lane, exs);
       long long pos[kSchedBatch];
 #pragma unroll
       for (int u = 0; u < kSchedBatch; ++u) {
