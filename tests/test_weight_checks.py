@@ -137,6 +137,10 @@ def test_per_rank_launch_checks_go_through_the_cheap_pass_and_name_defects():
         _expert_weight_pointers(w1[0], w2[0][:2], H, CPU)
     with pytest.raises(ValueError, match=r"w2\[0\] must be a torch.Tensor"):
         _expert_weight_pointers(w1[0], [None, *w2[0][1:]], H, CPU)
+    # FP8 launches (sizes only): the masters are not checked per expert, their structure still is
+    assert _expert_weight_pointers([cases[0][1], *w1[0][1:]], w2[0], H, CPU, sizes_only=True) is None
+    with pytest.raises(ValueError, match=r"must hold this rank's experts \(got 3 and 2\)"):
+        _expert_weight_pointers(w1[0], w2[0][:2], H, CPU, sizes_only=True)
     # hidden size not a multiple of 8: no cheap pass, the detailed loop names the row stride
     h2 = 100
     w1h = [torch.zeros((2 * F, h2), dtype=torch.bfloat16) for _ in range(L)]

@@ -156,17 +156,22 @@ def _fail(msg: str) -> None:
     raise ValueError(f"mok_forward_rank: {msg}")
 
 
-def _expert_weight_pointers(w1, w2, H: int, device) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _expert_weight_pointers(
+    w1, w2, H: int, device, sizes_only: bool = False
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """Check this rank's bf16 expert weights w1[e] [2F, H] / w2[e] [H, F] (first failure named); their data
     pointers when all are contiguous and 16-byte aligned (remembered per tensor objects, weight_memo.py:
     the per-expert loop ran on every call), None when some are strided (then set_expert_weights reads
-    each one's row stride)."""
+    each one's row stride). sizes_only (FP8 launches, which read only the e4m3 copies): just the lists and
+    w2[0], which give L and F; None."""
     if not isinstance(w1, (list, tuple)) or not isinstance(w2, (list, tuple)):
         _fail("w1 and w2 must be lists of this rank's expert weights")
     L = len(w1)
     if L < 1 or len(w2) != L:
         _fail(f"w1 and w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
     _check_tensor(w2[0], "w2[0]", torch.bfloat16, 2, device)
+    if sizes_only:
+        return None
     F = w2[0].shape[1]
     # the cheap pass: contiguous [2F, H] / [H, F] with H, F multiples of 8 are exactly the weights the
     # detailed checks below accept with unit inner stride and row strides H / F
@@ -235,15 +240,8 @@ def mok_forward_rank(
     _check_tensor(topk_weight, "topk_weight", torch.float32, 2, device)
     if topk_idx.dtype not in (torch.int32, torch.int64) or topk_idx.device != device:
         _fail(f"topk_idx must be int32/int64 on {device}, got {topk_idx.dtype} on {topk_idx.device}")
-    if fp8 is None:
-        dense = _expert_weight_pointers(w1, w2, H, device)
-    else:  # the FP8 kernel reads only the e4m3 copies (checked in set_expert_weights); the masters give L, F
-        dense = None
-        if not isinstance(w1, (list, tuple)) or not isinstance(w2, (list, tuple)):
-            _fail("w1 and w2 must be lists of this rank's expert weights")
-        if len(w1) < 1 or len(w2) != len(w1):
-            _fail(f"w1 and w2 must hold this rank's experts (got {len(w1)} and {len(w2)})")
-        _check_tensor(w2[0], "w2[0]", torch.bfloat16, 2, device)
+    # (with FP8 weights the kernel reads only the e4m3 copies, checked in set_expert_weights)
+    dense = _expert_weight_pointers(w1, w2, H, device, sizes_only=fp8 is not None)
     L, F = len(w1), w2[0].shape[1]
     if not topk_weight.is_contiguous():
         topk_weight = topk_weight.contiguous()
