@@ -116,6 +116,7 @@ struct Params {
                                       // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
+  int cluster;                        // forward: 1, or 2 = 2-CTA clusters sharing weight tiles (MOK_CLUSTER; pair_tiles.cuh)
   int num_chunks, total_entries;
   int stall_rank, stall_slot;
   unsigned long long timeout_ns;

@@ -20,11 +20,13 @@
 // other's MMAs, MOK_FP8_ISSUE_ORDER), and the fc1 epilogue quantises the SwiGLU output per 1 x 128
 // block (one tile = one block per row) for fc2.
 #pragma once
+#include "cluster_pair.cuh"
 #include "common.cuh"
 #include "deferred_release.cuh"
 #include "fp8_kloop.cuh"
 #include "fp8_quant.cuh"
 #include "gemm_sm90.cuh"
+#include "pair_tiles.cuh"
 #include "push_combine.cuh"
 #include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
@@ -45,11 +47,13 @@ struct ComputeSmem {
   int* off;        // [nseg + 1] processing-order segment offsets (seg_table; B = 1: the experts')
   int* lrow;       // [nseg] B > 1: layout row of each segment's first row
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
+  TicketBox box;   // 2-CTA clusters: the producers' ticket mailbox (cluster_pair.cuh)
+  int peer;        // 2-CTA clusters: the partner's cluster rank (its consumers share this CTA's stages); -1 off
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
   return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
-         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64;
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64 + 8 + 4 * 8 + 2 * 8;  // ..., pull flag, ticket box
 }
 
 __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
@@ -64,7 +68,19 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.off = reinterpret_cast<int*>(s.info + 2);
   s.lrow = s.off + MOK_MAX_LOCAL_EXPERTS + 1;
   s.pull_flag = s.lrow + MOK_MAX_LOCAL_EXPERTS;  // inside compute_smem_bytes' 64 spare bytes
+  s.box.full = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(s.pull_flag + 16) + 7) & ~uintptr_t(7));
+  s.box.empty = s.box.full + 2;
+  s.box.entry = reinterpret_cast<int2*>(s.box.empty + 2);
+  s.peer = -1;
   return s;
+}
+
+// A consumer warpgroup is done with stage st: its producer may refill it -- with 2-CTA clusters only once
+// the partner's consumers are done with it too, as the partner's multicast writes into this CTA's stage
+// (each warpgroup arrives on both CTAs' empty barriers, which count 4).
+__device__ __forceinline__ void release_stage(const ComputeSmem& sm, int st) {
+  Barrier::arrive(&sm.empty[st]);
+  if (sm.peer >= 0) Barrier::arrive(&sm.empty[st], (uint32_t)sm.peer, 1u);
 }
 
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
@@ -82,6 +98,61 @@ __device__ __forceinline__ float silu_tanh_f(float g) {
   float t;
   asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * g));
   return g * fmaf(0.5f, t, 0.5f);
+}
+
+// The producer hands tile ti to its consumers (2-deep tile-info ring).
+__device__ __forceinline__ void publish_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int& ii,
+                                             uint32_t& iph) {
+  mbar_wait(P, &sm.info_empty[ii], iph ^ 1u, q, 1);
+  sm.info[ii] = ti;
+  Barrier::arrive(&sm.info_full[ii]);
+  if (++ii == 2) { ii = 0; iph ^= 1u; }
+}
+
+// The K loop's TMA loads of tile ti into the stage ring. share: -1 this CTA loads its whole stage; 0 / 1
+// (2-CTA clusters, a unit whose two tiles share the weight tile) this CTA loads its activations and half
+// `share` of the weight tile, the latter multicast into both CTAs (the partner loads the other half).
+// A pass tile (kind 3) only moves the stages round: its consumers release them without reading.
+template <bool kFp8>
+__device__ __forceinline__ void stream_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int share,
+                                            int& st, uint32_t& ph) {
+  if (ti.kind == 3) {
+    for (int kb = 0; kb < ti.nk; ++kb) {
+      mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
+      Barrier::arrive(&sm.full[st]);
+      if (++st == kStages) { st = 0; ph ^= 1u; }
+    }
+    return;
+  }
+  const int g = q * P.L + ti.expert;
+  // A rows in the partition's ring / act tensor maps ([S * slot_rows] rows per partition)
+  const int arow = (int)(slot_row(P, q, ti.mb, ti.mb_start, ti.row0, ti.lrow0) -
+                         (long long)part(P, q) * P.ring_slots * P.slot_rows);
+  constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
+  const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
+  for (int kb = 0; kb < ti.nk; ++kb) {
+    mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
+    uint8_t* a_s = sm.stages + st * kStageBytes;
+    uint8_t* b_s = a_s + kATileBytes;
+    Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);  // with a shared tile: 16 KB from the partner
+    tma_load_2d(amap, &sm.full[st], a_s, kb * bk, arow);
+    if (share >= 0) {
+      uint8_t* half = b_s + share * (kBTileBytes / 2);
+      if (ti.kind == 1)  // the gate rows from the leader, the up rows from the follower
+        tma_load_2d_pair(share == 0 ? tmap_gate(P, g) : tmap_up(P, g), &sm.full[st], half, kb * bk, ti.nt * kFc1ActCols);
+      else
+        tma_load_2d_pair(tmap_w2(P, g), &sm.full[st], half, kb * bk, ti.nt * kBN + share * (kBN / 2));
+    } else if (ti.kind == 1) {
+      tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kFc1ActCols);
+      tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kFc1ActCols);
+    } else if (P.cluster > 1) {  // a clustered launch's w2 maps have half-tile boxes (128 rows)
+      tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
+      tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kBN + kBN / 2);
+    } else {
+      tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
+    }
+    if (++st == kStages) { st = 0; ph ^= 1u; }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -160,35 +231,100 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
       ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a; ti.lrow0 = lrow0;
+      ti.nk = kind == 1 ? ceil_div(P.H, kFp8 ? kBKf8 : kBK) : ceil_div(P.F, kFp8 ? kBKf8 : kBK);
       break;
     }
-    mbar_wait(P, &sm.info_empty[ii], iph ^ 1u, q, 1);
-    sm.info[ii] = ti;
-    Barrier::arrive(&sm.info_full[ii]);
-    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    publish_tile(P, q, sm, ti, ii, iph);
     if (ti.kind == 0) return;
+    stream_tile<kFp8>(P, q, sm, ti, -1, st, ph);
+  }
+}
 
-    const int g = q * L + ti.expert;
-    // A rows in the partition's ring / act tensor maps ([S * slot_rows] rows per partition)
-    const int arow = (int)(slot_row(P, q, ti.mb, ti.mb_start, ti.row0, ti.lrow0) -
-                           (long long)part(P, q) * S * P.slot_rows);
-    constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
-    const int nk = ti.kind == 1 ? ceil_div(P.H, bk) : ceil_div(P.F, bk);
-    const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
-    for (int kb = 0; kb < nk; ++kb) {
-      mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
-      uint8_t* a_s = sm.stages + st * kStageBytes;
-      uint8_t* b_s = a_s + kATileBytes;
-      Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
-      tma_load_2d(amap, &sm.full[st], a_s, kb * bk, arow);
-      if (ti.kind == 1) {
-        tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kFc1ActCols);
-        tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kFc1ActCols);
-      } else {
-        tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
-      }
-      if (++st == kStages) { st = 0; ph ^= 1u; }
+// ---- 2-CTA clusters (MOK_CLUSTER=2; pair_tiles.cuh, cluster_pair.cuh) ------------------------------
+// crank: this CTA's rank in its cluster (0 = leader: draws the tickets and waits for the dependencies).
+template <bool kFp8>
+__device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm, int crank) {
+  const int L = P.L, M = P.minibatch, S = P.ring_slots;
+  const int NS = P.nseg;
+  const int N = sm.off[NS];
+  const int nmb = num_minibatches(N, M);
+  // Dense tickets as in ffn_producer, one per unit (a pair of tiles): minibatch mb owns u1 + u2 of them
+  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, NS, M, 1);
+  int cur_u1 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt1);
+  int cur_u2 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt2);
+  unsigned cur_base = 0;
+  int st = 0;
+  uint32_t ph = 0;
+  int ii = 0;
+  uint32_t iph = 0;
+  for (int n = 0;; ++n) {
+    unsigned tk;
+    int go = 0;
+    if (crank == 0) {
+      tk = atomicAdd(ctr_ticket(P, q), 1u);
+    } else {
+      const int2 m = ticket_receive(P, sm.box, n, q);
+      tk = (unsigned)m.x;
+      go = m.y;
     }
+    while (cur_mb < nmb && tk >= cur_base + (unsigned)(cur_u1 + cur_u2)) {
+      cur_base += (unsigned)(cur_u1 + cur_u2);
+      ++cur_mb;
+      cur_a = cur_b;
+      cur_b = mb_begin(sm.off, NS, M, cur_mb + 1);
+      cur_u1 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt1);
+      cur_u2 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt2);
+    }
+    const int mb = cur_mb, s = mb % S, j = mb / S;
+    int kind = 0;
+    PairUnit pu{};
+    if (mb < nmb) {
+      int u = (int)(tk - cur_base);
+      kind = u < cur_u1 ? 1 : 2;
+      if (kind == 2) u -= cur_u1;
+      if (!find_pair_unit(sm.off, NS, cur_a, cur_b, u, kind == 1 ? P.nt1 : P.nt2, pu)) {  // cannot happen
+        if (crank == 0) record_error(P, kErrInternal, q, s, kPhasePipeline, kind == 1 ? cur_u1 : cur_u2, u, 6);
+        kind = 0;
+      }
+    }
+    const int e = pu.seg % L;
+    if (kind == 1) {  // the tile's weight maps, fetched while it waits for its dependency
+      tma_prefetch_desc(tmap_gate(P, q * L + e));
+      tma_prefetch_desc(tmap_up(P, q * L + e));
+    } else if (kind == 2) {
+      tma_prefetch_desc(tmap_w2(P, q * L + e));
+    }
+    if (crank == 0) {  // the dependencies of both tiles; the verdict goes to the follower with the ticket
+      bool ok = kind != 0;
+      if (kind == 1) {
+        ok = wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
+      } else if (kind == 2) {
+        const unsigned need = (unsigned)(kConsumerWGs * P.nt1);
+        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, pu.mt[0]), need, q, s, kPhaseFc1Done, 2);
+        if (ok && pu.mt[1] != pu.mt[0])
+          ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, pu.mt[1]), need, q, s, kPhaseFc1Done, 2);
+      }
+      go = ok ? 1 : 0;
+      ticket_send(P, sm.box, n, tk, go, q);
+    } else if (go && kind != 0) {
+      // the leader acquired this counter; the follower's own acquire orders its TMA reads after the
+      // rows' writers too (the mailbox's release / acquire at cluster scope already should)
+      (void)ld_acquire_gpu(kind == 1 ? ctr_ready(P, q, mb) : ctr_fc1_done(P, q, mb, pu.mt[1]));
+    }
+    TileInfo ti;
+    ti.kind = 0;
+    if (go && kind != 0) {
+      const int h = crank;
+      fence_proxy_async_global();
+      ti.kind = pu.nt[h] < 0 ? 3 : kind;
+      ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = pu.mt[h]; ti.nt = pu.nt[h];
+      ti.expert = e; ti.row0 = pu.row0[h]; ti.rows = pu.rows[h]; ti.mb_start = cur_a;
+      ti.lrow0 = P.macrobatches > 1 ? sm.lrow[pu.seg] + (ti.row0 - sm.off[pu.seg]) : ti.row0;
+      ti.nk = kind == 1 ? ceil_div(P.H, kFp8 ? kBKf8 : kBK) : ceil_div(P.F, kFp8 ? kBKf8 : kBK);
+    }
+    publish_tile(P, q, sm, ti, ii, iph);
+    if (ti.kind == 0) return;
+    stream_tile<kFp8>(P, q, sm, ti, pu.share_b ? crank : -1, st, ph);
   }
 }
 
@@ -198,7 +334,7 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
                                            uint32_t& ph) {
   for (int kb = 0; kb < nk; ++kb) {
     mbar_wait(P, &sm.full[st], ph, q, 4);
-    if ((threadIdx.x & 127) == 0) Barrier::arrive(&sm.empty[st]);
+    if ((threadIdx.x & 127) == 0) release_stage(sm, st);
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
 }
@@ -237,6 +373,12 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
       break;
+    }
+    if (ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
+      if (lt == 0) rel.flush();
+      act_rel.flush(wg_bar, lt);
+      skip_kloop(P, q, sm, ti.nk, st, ph);
+      continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
 
@@ -314,13 +456,13 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
       cute::warpgroup_wait<1>();
       fence_acc(acc);
-      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
+      if (kb > 0 && lt == 0) release_stage(sm, prev);
       prev = st;
       if (++st == kStages) { st = 0; ph ^= 1u; }
     }
     cute::warpgroup_wait<0>();
     fence_acc(acc);
-    if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+    if (lt == 0) release_stage(sm, prev);
     }
     const unsigned long long t_mma = P.timeline != nullptr ? globaltimer_ns() : 0ull;
 
@@ -413,16 +555,22 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 // Returns true if this CTA's consumer threads should go on to the final combine reduce.
 template <bool kFp8>
 __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
-  const ComputeSmem sm = carve_smem(smem);
+  const bool paired = P.cluster > 1;  // 2-CTA cluster: the partner CTA shares this one's stage ring (cluster_pair.cuh)
+  const int crank = paired ? (int)cluster_cta_rank() : 0;
+  ComputeSmem sm_ = carve_smem(smem);
+  if (paired) sm_.peer = crank ^ 1;
+  const ComputeSmem& sm = sm_;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&sm.full[s], 1);
-      Barrier::init(&sm.empty[s], 2);
+      Barrier::init(&sm.empty[s], paired ? 2 * kConsumerWGs : kConsumerWGs);
       Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);
       Barrier::init(&sm.info_empty[i], 2);
+      Barrier::init(&sm.box.full[i], 1);
+      Barrier::init(&sm.box.empty[i], 1);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -434,17 +582,33 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
   }
   __syncthreads();
+  if (paired) {  // the partner's barriers are initialised before anyone arrives on them remotely
+    cluster_arrive();
+    cluster_wait();
+  }
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0)
-      ffn_producer<kFp8>(P, q, sm);
-    else if (P.comm_sms == 0 && threadIdx.x >= 32)
-      insm_pull_role<kFp8>(P, q, sm.pull_flag);
+    if (threadIdx.x == 0) {
+      if (paired) {
+        ffn_producer_pair<kFp8>(P, q, sm, crank);
+        cluster_arrive();  // its last remote access (ticket mailbox, multicast) is issued
+      } else {
+        ffn_producer<kFp8>(P, q, sm);
+      }
+    } else {
+      if (paired) cluster_arrive();  // never touches the partner's shared memory: arrives at once (see
+                                     // cluster_pair.cuh: the pull warps wait for compute, which waits below)
+      if (P.comm_sms == 0 && threadIdx.x >= 32) insm_pull_role<kFp8>(P, q, sm.pull_flag);
+    }
     return false;
   } else {
     setmaxnreg_inc<224>();
     ffn_consumer<kFp8>(P, q, sm, wg - 1);
+    if (paired) {  // no remote arrival or multicast may reach this CTA's shared memory once it has exited
+      cluster_arrive();
+      cluster_wait();
+    }
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       if (!P.peer_sync) {

@@ -43,6 +43,12 @@ namespace mok {
 // warpgroup's rescale the first's next group. Its cost: the tensor cores wait for the barrier's signal
 // before each second group (~tens of cycles) if nothing else is queued. Same results (the barrier only
 // orders issues); timed against order 1 with bench_fp8.py --ab-env MOK_FP8_ISSUE_ORDER=2.
+// Stage st of the ring is free for its producer again (the forward's ComputeSmem has its own overload,
+// expert_ffn.cuh: with 2-CTA clusters the partner's empty barrier hears of it too).
+template <class Smem>
+__device__ __forceinline__ void release_stage(const Smem& sm, int st) {
+  Barrier::arrive(&sm.empty[st]);
+}
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
@@ -80,7 +86,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
         rescale_half(acc, __fdividef(ca0 * cb0, na0 * nb0), __fdividef(ca1 * cb0, na1 * nb0));
         rescale_half(acc + 64, __fdividef(ca0 * cb1, na0 * nb1), __fdividef(ca1 * cb1, na1 * nb1));
       }
-      if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+      if (lt == 0) release_stage(sm, prev);
       ca0 = na0; ca1 = na1; cb0 = nb0; cb1 = nb1;
       if (kb + 1 < nk) load_scales(kb + 1, na0, na1, nb0, nb1);
     }
@@ -108,7 +114,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   cute::warpgroup_wait<0>();
   fence_acc(acc);
   if (signal_landing) Barrier::arrive(&issued[prev]);
-  if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+  if (lt == 0) release_stage(sm, prev);
   rescale_half(acc, ca0 * cb0, ca1 * cb0);
   rescale_half(acc + 64, ca0 * cb1, ca1 * cb1);
 }

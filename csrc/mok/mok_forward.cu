@@ -19,6 +19,7 @@
 //   mok_fp8_gemm_workspace_bytes / mok_fp8_gemm_launch: the FP8 block-scaled grouped GEMM unit (fp8_gemm.cuh)
 //   mok_fp8_quantize_weight: e4m3 + 128 x 128 block scales of a bf16 weight (fp8_weight_quant.cuh)
 //   mok_mxfp8_quantize_rows: MXFP8 (e4m3 + UE8M0 per 1 x 32) rows, the Blackwell recipe's quantiser (mxfp8_quant.cuh)
+#include "cluster_pair.cuh"
 #include "common.cuh"
 #include "expert_ffn.cuh"
 #include "fp8_gemm.cuh"
@@ -74,7 +75,9 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
-  if (!grid_barrier(P, 3, &s_flag) || cta_aborted(P, &s_flag)) return;  // incl. an owner over capacity
+  bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
+  if (P.cluster > 1) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
+  if (!go) return;
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
   // ---- SM roles ----
@@ -200,6 +203,13 @@ int macrobatches(const MokLaunchArgs* a) {
   return env_choice("MOK_MACROBATCHES", 1, 1, 64, &b) ? b : 0;
 }
 
+// 2-CTA clusters sharing weight tiles (MOK_CLUSTER, a tuning knob; pair_tiles.cuh): 1 (off) unless set; 0 if
+// set to anything but 1 or 2 (validate reports it).
+int cluster_size() {
+  int c = 1;
+  return env_choice("MOK_CLUSTER", 1, 1, 2, &c) ? c : 0;
+}
+
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
   if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS)
@@ -237,6 +247,13 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
                       "MOK_MACROBATCHES=%d needs EP 1 (one rank): with several source ranks a token chunk's rows are "
                       "not contiguous in an expert's layout rows yet (scripts/NOTES-kernel.md, tenth session)",
                       B);
+  const int C = cluster_size();
+  if (C < 1) return !write_err(eb, el, "MOK_CLUSTER must be 1 or 2, got '%s'", getenv("MOK_CLUSTER"));
+  if (C > 1 && a->comm_sms % 2)
+    return !write_err(eb, el, "MOK_CLUSTER=2 pairs CTAs of one role: comm_sms=%d must be even", a->comm_sms);
+  if (C > 1 && a->ctas_per_rank % 2)
+    return !write_err(eb, el, "MOK_CLUSTER=2 pairs CTAs of one rank: ctas_per_rank=%d must be even (0 = auto)",
+                      a->ctas_per_rank);
   if ((long long)B * a->L > MOK_MAX_LOCAL_EXPERTS)
     return !write_err(eb, el, "MOK_MACROBATCHES=%d x %d local experts exceeds %d row segments", B, a->L,
                       MOK_MAX_LOCAL_EXPERTS);
@@ -353,7 +370,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   const WsLayout ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
+  const int cluster = cluster_size();  // validated: 1 or 2
+  int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
+  if (cluster > 1 && a->ctas_per_rank <= 0) cpr -= cpr % 2;  // whole clusters per rank
   if (cpr < 2 || cpr - a->comm_sms < 1)
     return write_err(errbuf, errlen,
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
@@ -372,6 +391,45 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if ((long long)np * cpr > (long long)max_blocks * num_sms)
     return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
                      max_blocks);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(np * cpr));
+  cfg.blockDim = dim3(mok::kThreads);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int nattr = 0;
+  // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
+  // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
+  const char* coop = getenv("MOK_COOPERATIVE");
+  if (!(coop && coop[0] == '0')) {
+    attr[nattr].id = cudaLaunchAttributeCooperative;
+    attr[nattr].val.cooperative = 1;
+    ++nattr;
+  }
+  if (cluster > 1) {
+    if (np * cpr % 2 || cpr % 2)
+      return write_err(errbuf, errlen, "MOK_CLUSTER=2 needs an even number of CTAs per rank, got %d", cpr);
+    attr[nattr].id = cudaLaunchAttributeClusterDimension;
+    attr[nattr].val.clusterDim.x = 2;
+    attr[nattr].val.clusterDim.y = 1;
+    attr[nattr].val.clusterDim.z = 1;
+    ++nattr;
+    // Co-residency of whole clusters: the GPCs must hold np * cpr / 2 pairs at once (cached per size).
+    static int cached_csmem[2][64] = {{0}}, cached_clusters[2][64] = {{0}};
+    if (cached_csmem[v][dslot] != smem) {
+      cfg.attrs = attr + nattr - 1;  // the cluster dimension alone
+      cfg.numAttrs = 1;
+      MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&cached_clusters[v][dslot], kernel, &cfg));
+      cached_csmem[v][dslot] = smem;
+    }
+    if (np * cpr / 2 > cached_clusters[v][dslot])
+      return write_err(errbuf, errlen,
+                       "MOK_CLUSTER=2: %d clusters of 2 CTAs cannot be co-resident (the device holds %d at once); "
+                       "set ctas_per_rank lower or MOK_CLUSTER=1",
+                       np * cpr / 2, cached_clusters[v][dslot]);
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = (unsigned)nattr;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
@@ -386,6 +444,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   const bool keep = a->keep_x != 0;
   if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
   const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
+  // fc2's weight tile rows per TMA box: a clustered launch loads the tile in halves (expert_ffn.cuh: stream_tile)
+  const int w2_box = cluster > 1 ? mok::kBN / 2 : mok::kBN;
   for (int g = 0; a->fp8 && g < np * L; ++g) {  // e4m3 weights: 1-byte maps, 128-element (= 128 B) K boxes
     const uint8_t* w1 = reinterpret_cast<const uint8_t*>(a->w1[g]);
     const uint8_t* w2 = reinterpret_cast<const uint8_t*>(a->w2[g]);
@@ -400,7 +460,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!encode_2d_u8(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols,
                       errbuf, errlen, "fp8 w1 up", ge))
       return 1;
-    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, "fp8 w2", ge))
+    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, w2_box, errbuf, errlen, "fp8 w2", ge))
       return 1;
   }
   for (int g = 0; !a->fp8 && g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
@@ -412,7 +472,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
                    errbuf, errlen, "w1 up", ge))
       return 1;
-    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, "w2", ge)) return 1;
+    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, w2_box, errbuf, errlen, "w2", ge)) return 1;
   }
   for (int p = 0; a->fp8 && p < np; ++p) {
     const uint8_t* ring = wsp + ws.ring + (size_t)p * S * SR * H;
@@ -464,6 +524,10 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     // tuning knobs (README: launcher tuning knobs): a value outside the range is an error, not a clamp
     if (!env_choice("MOK_RASTER", 0, 0, 64, &P.raster))  // ticket order (bench sweeps it)
       return write_err(errbuf, errlen, "MOK_RASTER must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER"));
+    if (cluster > 1 && P.raster != 0)  // pair_tiles.cuh: units in row-block order only
+      return write_err(errbuf, errlen, "MOK_CLUSTER=2 hands out tile pairs in row-block order: MOK_RASTER must be 0, got %d",
+                       P.raster);
+    P.cluster = cluster;
     const char* ds = getenv("MOK_DEBUG");  // timing ablations only (the -DMOK_ABLATION build reads it)
     P.debug = ds ? atoi(ds) : 0;
     if (!env_choice("MOK_CONSUMER_LEAD_NS", 0, 0, 100000, &P.consumer_lead_ns))
@@ -521,19 +585,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->timeline)
     MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
 
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(np * cpr));
-  cfg.blockDim = dim3(mok::kThreads);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
-  // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
-  const char* coop = getenv("MOK_COOPERATIVE");
-  cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
   MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;

@@ -34,7 +34,8 @@
 namespace mok {
 
 struct TileInfo {
-  int kind;      // 0 = exit, 1 = fc1, 2 = fc2
+  int kind;      // 0 = exit, 1 = fc1, 2 = fc2, 3 = pass (2-CTA clusters: this CTA has no tile in the pair's
+                 // unit; its nk stages go round without data, pair_tiles.cuh)
   int mb;        // minibatch
   int slot;
   int round;
@@ -44,11 +45,11 @@ struct TileInfo {
   int rows;      // valid rows (<= kBM)
   int mb_start;  // first processing-order row of the minibatch
   int lrow0;     // first layout row of the tile (saved h, push rows, kept rows)
-  int pad;
+  int nk;        // K blocks (stages) of the tile
 };
 
 // off: smem copy of expert_off[q][0..L]. Returns false if minibatch has fewer than mt+1 row blocks.
-__device__ __forceinline__ bool find_mtile(const int* off, int L, int a, int b, int mt, int& e_out,
+__host__ __device__ __forceinline__ bool find_mtile(const int* off, int L, int a, int b, int mt, int& e_out,
                                            int& row0, int& rows) {
   // first expert whose segment ends after a
   int lo = 0, hi = L - 1;
@@ -73,7 +74,7 @@ __device__ __forceinline__ bool find_mtile(const int* off, int L, int a, int b, 
 }
 
 // number of row blocks (m-tiles) of layout rows [a, b)
-__device__ __forceinline__ int count_mtiles(const int* off, int L, int a, int b) {
+__host__ __device__ __forceinline__ int count_mtiles(const int* off, int L, int a, int b) {
   int n = 0;
   for (int e = 0; e < L; ++e) {
     const int s0 = max(a, off[e]);
@@ -83,12 +84,12 @@ __device__ __forceinline__ int count_mtiles(const int* off, int L, int a, int b)
   return n;
 }
 
-__device__ __forceinline__ int num_minibatches(int N, int M) { return (N + M - 1) / M; }
+__host__ __device__ __forceinline__ int num_minibatches(int N, int M) { return (N + M - 1) / M; }
 
 // First layout row of minibatch i (off = expert offsets [L + 1], N = off[L]): i*M rounded down to the
 // kBM-row tile grid of its expert; N for i >= num_minibatches. Non-decreasing in i, and
 // mb_begin(i + 1) - mb_begin(i) < M + kBM. megatron_mok/layout.py: minibatches(..., tile_rows=128).
-__device__ __forceinline__ int mb_begin(const int* off, int L, int M, int i) {
+__host__ __device__ __forceinline__ int mb_begin(const int* off, int L, int M, int i) {
   const int N = off[L];
   const long long p = (long long)i * M;
   if (p >= N) return N;
