@@ -8,6 +8,7 @@ through a per-rank pointer table (what peer pointers of torch symmetric memory w
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,16 @@ def capture_check(check, who: str):
             "check='lazy' or check=False and call megatron_mok.kernel.check_last_error() after a replay"
         )
     return check
+
+
+def auto_ctas_per_rank(n_sms: int, parts: int) -> int:
+    """CTAs per rank partition when the caller leaves it to the launcher (mok_forward.cu: forward_launch): all
+    SMs split evenly, rounded down to whole 2-CTA clusters under MOK_CLUSTER=2 (the launcher rejects any other
+    value of the knob itself)."""
+    cpr = n_sms // parts
+    if os.environ.get("MOK_CLUSTER", "").strip() == "2":
+        cpr -= cpr % 2
+    return cpr
 
 
 def launch_workspace(cache: dict[int, torch.Tensor], dev: int, nbytes: int, device) -> torch.Tensor:
@@ -471,7 +482,7 @@ def mok_forward_emulated(
         if lib.mok_device_info(dev, ctypes.byref(num_sms), ctypes.byref(major), ctypes.byref(minor)) != 0:
             raise MokKernelError("cannot query the CUDA device")
         n_sms = _sm_count[dev] = num_sms.value
-    cpr = ctas_per_rank or n_sms // R
+    cpr = ctas_per_rank or auto_ctas_per_rank(n_sms, R)
     if comm_sms >= cpr:
         _fail(f"comm_sms={comm_sms} leaves no compute SM: {R} rank(s) on {n_sms} SMs give {cpr} SMs per rank")
 
