@@ -32,6 +32,8 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
 // Non-aligned forms: the threads of a warp may arrive at different points of the code.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+// An arrival that publishes nothing (no fence: the threads that use it never wrote what the partner reads).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
 
 // Shared-memory address of the same variable in CTA `cta` of the cluster.
 __device__ __forceinline__ uint32_t cluster_map(const void* local, uint32_t cta) {
@@ -60,11 +62,12 @@ __device__ __forceinline__ bool mbar_try_wait_cluster(uint64_t* bar, uint32_t ph
   return ok != 0;
 }
 // As mbar_wait (timeout.cuh): the partner always sends (a ticket or "exit"), so this completes unless there
-// is a bug; after the bug guard's time it records kErrInternal and traps.
+// is a bug; after the bug guard's time it records kErrInternal and traps. The guard is longer than the
+// stage ring's: before sending, the leader may wait on two counters with twice the timeout each.
 __device__ __forceinline__ void mbar_wait_cluster(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
   if (mbar_try_wait_cluster(bar, phase)) return;
   const unsigned long long t0 = globaltimer_ns();
-  const unsigned long long limit = P.timeout_ns * 4ull + 1000000000ull;
+  const unsigned long long limit = P.timeout_ns * 6ull + 1000000000ull;
   while (!mbar_try_wait_cluster(bar, phase)) {
     if (globaltimer_ns() - t0 > limit) {
       record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
@@ -113,9 +116,12 @@ __device__ __forceinline__ bool pair_agree(bool ok, int* s_flag) {
   if (threadIdx.x == 0) *s_flag = ok ? 1 : 0;
   cluster_arrive();
   cluster_wait();
-  int other;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(other) : "r"(cluster_map(s_flag, cluster_cta_rank() ^ 1u))
-               : "memory");
+  // A CTA that failed may have left before grid barrier 3 (a per-CTA verdict), so only a CTA that passed it
+  // reads the partner's flag -- then every CTA arrived at barrier 3 and the partner is still here.
+  int other = 0;
+  if (ok)
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(other) : "r"(cluster_map(s_flag, cluster_cta_rank() ^ 1u))
+                 : "memory");
   cluster_arrive();  // both have read before either moves on (and may exit or reuse s_flag)
   cluster_wait();
   return ok && other != 0;

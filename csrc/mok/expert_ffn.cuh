@@ -80,7 +80,7 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
 // (each warpgroup arrives on both CTAs' empty barriers, which count 4).
 __device__ __forceinline__ void release_stage(const ComputeSmem& sm, int st) {
   Barrier::arrive(&sm.empty[st]);
-  if (sm.peer >= 0) Barrier::arrive(&sm.empty[st], (uint32_t)sm.peer, 1u);
+  if (sm.peer >= 0) remote_arrive_release(&sm.empty[st], (uint32_t)sm.peer);
 }
 
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
@@ -328,12 +328,16 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
   }
 }
 
-// A consumer warpgroup with no rows in its half of a tile: take each stage and give it back at once
-// (the stage is freed when both warpgroups arrived on its empty barrier).
+// A consumer warpgroup with no rows in its half of a tile (or no tile: a 2-CTA pass): take each stage and
+// give it back at once (the stage is freed when both warpgroups arrived on its empty barrier).
+// issued (FP8 issue order on, first warpgroup only): arrive on each stage's `issued` barrier as the K loop
+// would, whose phase must move with the stage ring's on every use of a stage (fp8_kloop.cuh) -- a pass of
+// nk stages left it behind and the second warpgroup's next wait on it deadlocked.
 __device__ __forceinline__ void skip_kloop(const Params& P, int q, const ComputeSmem& sm, int nk, int& st,
-                                           uint32_t& ph) {
+                                           uint32_t& ph, uint64_t* issued = nullptr) {
   for (int kb = 0; kb < nk; ++kb) {
     mbar_wait(P, &sm.full[st], ph, q, 4);
+    if (issued != nullptr && (threadIdx.x & 31) == 0) Barrier::arrive(&issued[st]);
     if ((threadIdx.x & 127) == 0) release_stage(sm, st);
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
@@ -377,7 +381,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
-      skip_kloop(P, q, sm, ti.nk, st, ph);
+      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -597,8 +601,8 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
         ffn_producer<kFp8>(P, q, sm);
       }
     } else {
-      if (paired) cluster_arrive();  // never touches the partner's shared memory: arrives at once (see
-                                     // cluster_pair.cuh: the pull warps wait for compute, which waits below)
+      if (paired) cluster_arrive_relaxed();  // never touches the partner's shared memory: arrives at once
+                                             // (cluster_pair.cuh: the pull warps wait for compute, which waits below)
       if (P.comm_sms == 0 && threadIdx.x >= 32) insm_pull_role<kFp8>(P, q, sm.pull_flag);
     }
     return false;

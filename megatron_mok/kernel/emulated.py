@@ -216,7 +216,11 @@ def auto_ctas_per_rank(n_sms: int, parts: int) -> int:
     SMs split evenly, rounded down to whole 2-CTA clusters under MOK_CLUSTER=2 (the launcher rejects any other
     value of the knob itself)."""
     cpr = n_sms // parts
-    if os.environ.get("MOK_CLUSTER", "").strip() == "2":
+    try:  # int() takes what the launcher's strtol does (" 2", "+2", "02")
+        cluster = int(os.environ.get("MOK_CLUSTER", "1"))
+    except ValueError:
+        cluster = 1
+    if cluster == 2:
         cpr -= cpr % 2
     return cpr
 

@@ -88,14 +88,23 @@ def test_cluster_pairs_give_the_same_bits(kernel, monkeypatch, dtype, R, comm, m
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype):
-    """H 256 / F 128: one n-tile per stage, so an odd segment's last row block is a unit with a pass (the
-    second CTA's stages go round without data); the results must still be right and the same bits."""
-    L, H, F, K = 5, 256, 128, 2
+@pytest.mark.parametrize("H", [256, 128, 64])
+@pytest.mark.parametrize("order", ["1", "2"])
+def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
+    """F 128: one n-tile per stage, so an odd segment's last row block is a unit with a pass (the second CTA's
+    stages go round without data; with the FP8 issue order its first warpgroup still moves the `issued`
+    barriers on, or the next tile deadlocks); the results must still be right and the same bits. H 128 / 64:
+    the second 128-row half of W2's tile lies wholly past H (TMA fills it with zeros and counts its bytes)."""
+    if dtype == "fp8" and H % 128:
+        pytest.skip("fp8 needs H % 128 == 0")
+    if dtype == "bf16" and order == "2":
+        pytest.skip("the issue order is an FP8 knob")
+    L, F, K = 5, 128, 2
     x, idx, wts, w1, w2, _ = make_backward_case(2, L, H, F, K, [900, 333], "skewed", seed=7)
     kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128)
     if dtype == "fp8":
         kw["fp8"] = _fp8(w1, w2)
+        monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", order)
     out, comb, _, _ = _same(kernel, monkeypatch, (x, idx, wts, w1, w2), kw, saved_h=dtype == "bf16")
     if dtype == "bf16":
         r_out, r_comb, _ = ground_truth(x, idx, wts, w1, w2)
