@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Single-launch timelines of several launcher-knob variants in one device call (scripts/timeline.py), for the
+# side-by-side method of scripts/NOTES-kernel.md: fc1 / fc2 tile and epilogue times, MMA time per K block,
+# schedule window and final-sum tail per variant, with the GPU's SM clock and power sampled during each.
+#   bash scripts/run_timelines.sh
+# Env: MOK_TL_SPECS  variants, ';'-separated, each "label|config|dtype|ENV=VAL ENV=VAL" (the env part may be
+#                    empty); default: the eleventh session's set below.
+#      MOK_TL_OLD_TREE a directory holding another source tree (e.g. `git archive 828de2d | tar -x -C old_tree`):
+#                    its library is built apart (MOK_CACHE_DIR of its own); first the MOK_TL_OLD_SPECS variants
+#                    (default: the plain fp8 and bf16 launches) run twice in both trees, alternating (two launches
+#                    of one build agree to ~0.1 %), labelled new-<label>-<i> / old-<label>-<i>.
+#      OUT           log directory (default ./gpu_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_logs}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    2>&1 | tail -3
+  SITE=/tmp/site:
+else
+  SITE=
+fi
+export MOK_CACHE_DIR="${MOK_CACHE_DIR:-/tmp/mok_cache}"
+DEFAULT_SPECS="fp8-order1|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=1;\
+fp8-order2|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=2;\
+fp8-cluster2|kimi-k2-fp8|fp8|MOK_CLUSTER=2;\
+bf16|kimi-k2|bf16|;\
+bf16-cluster2|kimi-k2|bf16|MOK_CLUSTER=2;\
+bf16-chunks4|kimi-k2|bf16|MOK_MACROBATCHES=4;\
+abl0-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ISSUE_ORDER=1;\
+abl32-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ISSUE_ORDER=1;\
+abl0-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ISSUE_ORDER=2;\
+abl32-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ISSUE_ORDER=2"
+SPECS="${MOK_TL_SPECS:-$DEFAULT_SPECS}"
+
+# one timeline launch: tree dir, label, config, dtype, env assignments; SM clock / power sampled meanwhile
+run_one() {
+  local tree="$1" label="$2" config="$3" dtype="$4" envs="$5" cache="$6"
+  local smi="$OUT/tl-$label.smi.csv"
+  nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 >"$smi" 2>/dev/null &
+  local smi_pid=$!
+  # shellcheck disable=SC2086  # the env assignments are meant to split into words
+  (cd "$tree" && env $envs MOK_CACHE_DIR="$cache" PYTHONPATH="$SITE$PWD" timeout 150 \
+    python3 scripts/timeline.py --config "$config" --dtype "$dtype" --out "$OUT/tl-$label") >"$OUT/tl-$label.log" 2>&1
+  local rc=$?
+  kill "$smi_pid" 2>/dev/null
+  wait "$smi_pid" 2>/dev/null
+  local clk
+  clk=$(awk -F, '$1 > 1000 {c += $1; p += $2; n++} END {if (n) printf "%.0f MHz %.0f W (%d samples > 1 GHz)", c / n, p / n, n}' "$smi")
+  echo "== $label (rc $rc; $envs): ${clk:-no clock samples}"
+  grep -E "span|fc1 tiles|fc2 tiles|per K block|schedule  |combine  " "$OUT/tl-$label.log" | sed 's/^/   /'
+}
+
+{
+  if [ -n "${MOK_TL_OLD_TREE:-}" ]; then
+    IFS=';' read -ra OLD <<<"${MOK_TL_OLD_SPECS:-fp8|kimi-k2-fp8|fp8|;bf16|kimi-k2|bf16|}"
+    for i in 1 2; do
+      for spec in "${OLD[@]}"; do
+        IFS='|' read -r label config dtype envs <<<"$spec"
+        [ -n "$label" ] || continue
+        run_one "$PWD" "new-$label-$i" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR"
+        run_one "$MOK_TL_OLD_TREE" "old-$label-$i" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR-old"
+      done
+    done
+  fi
+  IFS=';' read -ra LIST <<<"$SPECS"
+  for spec in "${LIST[@]}"; do
+    IFS='|' read -r label config dtype envs <<<"$spec"
+    [ -n "$label" ] || continue
+    run_one "$PWD" "$label" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR"
+  done
+} 2>&1 | tee "$OUT/timelines-summary.log"
