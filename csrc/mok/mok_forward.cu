@@ -585,7 +585,17 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->timeline)
     MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
 
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
+  cudaError_t launched = cudaLaunchKernelEx(&cfg, kernel, P);
+  if (launched != cudaSuccess && cluster > 1 && nattr == 2) {
+    // A runtime that refuses cooperative + cluster attributes together: launch the clusters plainly. The
+    // grid still fits at once (the cluster occupancy check above, 1 CTA per SM), and every grid-wide wait
+    // has a timeout, so a grid that were not co-resident would report a timeout, not hang.
+    (void)cudaGetLastError();
+    cfg.attrs = attr + 1;
+    cfg.numAttrs = 1;
+    launched = cudaLaunchKernelEx(&cfg, kernel, P);
+  }
+  MOK_CUDA_CHECK(launched);
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
