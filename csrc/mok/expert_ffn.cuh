@@ -329,16 +329,23 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
 }
 
 // A consumer warpgroup with no rows in its half of a tile (or no tile: a 2-CTA pass): take each stage and
-// give it back at once (the stage is freed when both warpgroups arrived on its empty barrier).
-// issued (FP8 issue order on, first warpgroup only): arrive on each stage's `issued` barrier as the K loop
-// would, whose phase must move with the stage ring's on every use of a stage (fp8_kloop.cuh) -- a pass of
-// nk stages left it behind and the second warpgroup's next wait on it deadlocked.
+// give it back at once (the stage is freed when both warpgroups arrived on its empty barrier). Only the
+// warpgroup's thread 0 waits and releases; the other threads just move their ring position on. (Each warp
+// waiting by itself, a warp that fell a whole stage turnover behind -- released by thread 0, refilled, landed
+// -- would wait on the wrong phase for ever: no MMA keeps the warps of a skipping warpgroup together. Found by
+// a model check of the pipeline, scripts/NOTES-kernel.md eleventh session.)
+// issued (FP8 issue order on, first warpgroup only): thread 0 also arrives for the four warps on each stage's
+// `issued` barrier, as the K loop would: its phase must move with the stage ring's on every use of a stage
+// (fp8_kloop.cuh) -- a pass of nk stages that left it behind deadlocked the second warpgroup's next wait.
 __device__ __forceinline__ void skip_kloop(const Params& P, int q, const ComputeSmem& sm, int nk, int& st,
                                            uint32_t& ph, uint64_t* issued = nullptr) {
+  const bool lead = (threadIdx.x & 127) == 0;
   for (int kb = 0; kb < nk; ++kb) {
-    mbar_wait(P, &sm.full[st], ph, q, 4);
-    if (issued != nullptr && (threadIdx.x & 31) == 0) Barrier::arrive(&issued[st]);
-    if ((threadIdx.x & 127) == 0) release_stage(sm, st);
+    if (lead) {
+      mbar_wait(P, &sm.full[st], ph, q, 4);
+      if (issued != nullptr) mbar_arrive_count(&issued[st], 4);
+      release_stage(sm, st);
+    }
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
 }
