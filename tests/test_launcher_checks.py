@@ -1,0 +1,71 @@
+"""CPU: the forward launcher's own refusals (csrc/mok/mok_forward.cu: validate, via mok_forward_check), with the
+library built here by nvcc and loaded without a GPU -- the launch-time knobs' errors name the knob and value."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+pytestmark = pytest.mark.nvcc
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from megatron_mok.kernel import build
+
+    if build.find_nvcc() is None or build.cutlass_include() is None:
+        pytest.skip("needs nvcc and the CUTLASS headers")
+    return ctypes.CDLL(str(build.build_library()))
+
+
+def _check(lib, **kw) -> str:
+    """mok_forward_check's message for a small launch with the given fields ('' = accepted)."""
+    from megatron_mok.kernel.cargs import LaunchArrays
+    from megatron_mok.kernel.emulated import _Args
+
+    arrays = LaunchArrays()
+    a = _Args()
+    a.R, a.L, a.H, a.F, a.K = 1, 4, 256, 128, 2
+    a.comm_sms, a.ring_slots, a.minibatch, a.ctas_per_rank, a.rank = 2, 2, 128, 0, -1
+    for k, v in kw.items():
+        setattr(a, k, v)
+    a.T = arrays.i64([300] * a.R)
+    buf = ctypes.create_string_buffer(512)
+    rc = lib.mok_forward_check(ctypes.byref(a), buf, 512)
+    msg = buf.value.decode()
+    assert (rc == 0) == (msg == ""), (rc, msg)
+    return msg
+
+
+def test_plain_launch_is_accepted(lib, monkeypatch):
+    for var in ("MOK_CLUSTER", "MOK_MACROBATCHES"):
+        monkeypatch.delenv(var, raising=False)
+    assert _check(lib) == ""
+
+
+@pytest.mark.parametrize("bad", ["0", "3", "two", "2x"])
+def test_cluster_knob_values(lib, monkeypatch, bad):
+    monkeypatch.setenv("MOK_CLUSTER", bad)
+    assert _check(lib) == f"MOK_CLUSTER must be 1 or 2, got '{bad}'"
+
+
+def test_cluster_needs_even_splits(lib, monkeypatch):
+    monkeypatch.setenv("MOK_CLUSTER", "2")
+    assert _check(lib) == ""
+    assert _check(lib, ctas_per_rank=64) == ""
+    assert "comm_sms=3 must be even" in _check(lib, comm_sms=3)
+    assert "ctas_per_rank=65 must be even" in _check(lib, ctas_per_rank=65)
+    monkeypatch.setenv("MOK_CLUSTER", "1")
+    assert _check(lib, comm_sms=3, ctas_per_rank=65) == ""  # odd splits are fine without clusters
+
+
+def test_token_chunk_knob(lib, monkeypatch):
+    monkeypatch.delenv("MOK_CLUSTER", raising=False)
+    monkeypatch.setenv("MOK_MACROBATCHES", "4")
+    assert _check(lib) == ""
+    assert "needs EP 1" in _check(lib, R=2)
+    monkeypatch.setenv("MOK_MACROBATCHES", "65")
+    assert "MOK_MACROBATCHES must be an integer in [1, 64], got '65'" in _check(lib)
+    monkeypatch.setenv("MOK_MACROBATCHES", "3")
+    assert "row segments" in _check(lib, L=200)
