@@ -348,6 +348,7 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
     }
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
+  __syncwarp();  // lanes 1-31 of thread 0's warp meet it again before any aligned barrier or full-mask shuffle
 }
 
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
