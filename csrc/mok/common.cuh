@@ -23,6 +23,20 @@
 #else
 #define MOK_DBG(bit) 0
 #endif
+// Hang diagnosis (ablation build, MOK_DEBUG bit 256): each thread's last progress code in P.timeline, read
+// as unsigned [grid][kThreads] -- host-mapped memory the host reads while the kernel runs (timeline events
+// are off then). scripts/diagnose_hang.py prints where every CTA's threads are.
+#ifdef MOK_ABLATION
+#define MOK_PROGRESS(code)                                                                                 \
+  do {                                                                                                     \
+    if (P.debug & 256)                                                                                     \
+      reinterpret_cast<volatile unsigned*>(P.timeline)[blockIdx.x * 384u + threadIdx.x] = (unsigned)(code); \
+  } while (0)
+#else
+#define MOK_PROGRESS(code) \
+  do {                     \
+  } while (0)
+#endif
 
 namespace mok {
 

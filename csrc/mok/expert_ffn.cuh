@@ -131,6 +131,7 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
   constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
   const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
   for (int kb = 0; kb < ti.nk; ++kb) {
+    MOK_PROGRESS(0x12000000u | (unsigned)(ti.kind << 16) | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
     uint8_t* a_s = sm.stages + st * kStageBytes;
     uint8_t* b_s = a_s + kATileBytes;
@@ -258,6 +259,7 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
   int ii = 0;
   uint32_t iph = 0;
   for (int n = 0;; ++n) {
+    MOK_PROGRESS(0x10000000u | (unsigned)(n & 0xFFFFFF));
     unsigned tk;
     int go = 0;
     if (crank == 0) {
@@ -311,6 +313,7 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
       // rows' writers too (the mailbox's release / acquire at cluster scope already should)
       (void)ld_acquire_gpu(kind == 1 ? ctr_ready(P, q, mb) : ctr_fc1_done(P, q, mb, pu.mt[1]));
     }
+    MOK_PROGRESS(0x11000000u | (unsigned)(n & 0xFFFFFF));
     TileInfo ti;
     ti.kind = 0;
     if (go && kind != 0) {
@@ -341,6 +344,7 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
                                            uint32_t& ph, uint64_t* issued = nullptr) {
   const bool lead = (threadIdx.x & 127) == 0;
   for (int kb = 0; kb < nk; ++kb) {
+    MOK_PROGRESS(0x24000000u | (unsigned)(kb & 0xFFFF));
     if (lead) {
       mbar_wait(P, &sm.full[st], ph, q, 4);
       if (issued != nullptr) mbar_arrive_count(&issued[st], 4);
@@ -376,8 +380,10 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   while (true) {
     if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
     act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt);
+    MOK_PROGRESS(0x20000000u | (unsigned)(ii | (iph << 1)));
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
+    MOK_PROGRESS(0x21000000u | (unsigned)(ti.kind << 16) | (unsigned)(ti.mt & 0xFFFF));
     named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
@@ -450,6 +456,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
+      MOK_PROGRESS(0x23000000u | (unsigned)(kb & 0xFFFF));
       mbar_wait(P, &sm.full[st], ph, q, 4);
       const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
       const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
@@ -476,6 +483,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     fence_acc(acc);
     if (lt == 0) release_stage(sm, prev);
     }
+    MOK_PROGRESS(0x22000000u | (unsigned)(ti.kind << 16));
     const unsigned long long t_mma = P.timeline != nullptr ? globaltimer_ns() : 0ull;
 
     // ---------------- epilogue ----------------
@@ -594,16 +602,19 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
   }
   __syncthreads();
+  MOK_PROGRESS(0x04000000u);
   if (paired) {  // the partner's barriers are initialised before anyone arrives on them remotely
     cluster_arrive();
     cluster_wait();
   }
+  MOK_PROGRESS(0x05000000u);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {
       if (paired) {
         ffn_producer_pair<kFp8>(P, q, sm, crank);
+        MOK_PROGRESS(0x1F000000u);
         cluster_arrive();  // its last remote access (ticket mailbox, multicast) is issued
       } else {
         ffn_producer<kFp8>(P, q, sm);
@@ -611,16 +622,20 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     } else {
       if (paired) cluster_arrive_relaxed();  // never touches the partner's shared memory: arrives at once
                                              // (cluster_pair.cuh: the pull warps wait for compute, which waits below)
+      MOK_PROGRESS(0x06000000u);
       if (P.comm_sms == 0 && threadIdx.x >= 32) insm_pull_role<kFp8>(P, q, sm.pull_flag);
+      MOK_PROGRESS(0x07000000u);
     }
     return false;
   } else {
     setmaxnreg_inc<224>();
     ffn_consumer<kFp8>(P, q, sm, wg - 1);
+    MOK_PROGRESS(0x28000000u);
     if (paired) {  // no remote arrival or multicast may reach this CTA's shared memory once it has exited
       cluster_arrive();
       cluster_wait();
     }
+    MOK_PROGRESS(0x29000000u);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       if (!P.peer_sync) {

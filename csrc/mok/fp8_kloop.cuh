@@ -90,7 +90,9 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       ca0 = na0; ca1 = na1; cb0 = nb0; cb1 = nb1;
       if (kb + 1 < nk) load_scales(kb + 1, na0, na1, nb0, nb1);
     }
+    MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.full[st], ph, q, 4);
+    MOK_PROGRESS(0x26000000u | (unsigned)(kb & 0xFFFF));
     if (issued != nullptr && wgc == 1) mbar_wait(P, &issued[st], ph, q, 7);  // after the first warpgroup's group
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;

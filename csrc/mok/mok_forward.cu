@@ -76,7 +76,9 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   schedule_place(P, reinterpret_cast<int*>(smem));
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
+  MOK_PROGRESS(0x01000000u);
   if (P.cluster > 1) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
+  MOK_PROGRESS(0x02000000u | (go ? 1u : 0u));
   if (!go) return;
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
@@ -108,7 +110,9 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     }
   } else {
     compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
+    MOK_PROGRESS(0x03000000u);
     if (!compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
+    MOK_PROGRESS(0x30000000u);
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
     if (threadIdx.x == 128) *flag = wait_all_computed(P, q, n_comp) ? 1 : 0;

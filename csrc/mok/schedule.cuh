@@ -105,6 +105,15 @@ __device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
         }
       }
     }
+    if (P.macrobatches > 1) {
+      // token chunks: a token's chunk starts as its own token chunk (phase C raises it to the latest chunk
+      // holding one of its rows, never lower); a token with no rows at all (every slot -1) keeps it, so
+      // some chunk's sum writes its zero output (sum_chunk: chunk J's tokens lie before token chunk J's end)
+      const int c = g - rt.chunk_base;
+      const int J = (int)(((long long)c * P.macrobatches) / P.num_chunks);
+      int* done = P.token_done + rt.entry_base / P.K;
+      for (int t = c * kChunkTokens + lane; t < min(rt.T, (c + 1) * kChunkTokens); t += 32) done[t] = J;
+    }
     __syncwarp();
     for (int e = lane; e < P.E; e += 32) {  // the chunk's nonzero counts out (chunk_counts is zero elsewhere)
       const int n = wcnt[e];

@@ -54,7 +54,7 @@ def _fp8(w1, w2):
 def _same(kernel, monkeypatch, case, kw, env=(), saved_h=True):
     """The clustered launch's outputs (and saved h) equal the unclustered one's bit for bit."""
     x, idx, wts, w1, w2 = case
-    R, F = len(x), w2[0].shape[1]
+    R, F = len(x), w2[0][0].shape[1]  # w2: per rank, per expert
     rows = sum(int(t.shape[0]) for t in x) * idx[0].shape[1]
     res = []
     for cluster in (1, 2):

@@ -179,7 +179,9 @@ def test_fp8_issue_order_knob_rejects_bad_values(kernel, bad, monkeypatch):
     x, idx, wts, w1, w2 = _inputs(1, 2, 256, 256, 2, [64], "uniform", seed=3)
     monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", bad)
     with pytest.raises(MokKernelError, match="MOK_FP8_ISSUE_ORDER must be 0"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=quantize_expert_weights(w1, w2), comm_sms=2)
+        kernel.mok_forward_emulated(
+            x, idx, wts, w1, w2, fp8=quantize_expert_weights(w1, w2), comm_sms=2, ring_slots=2, minibatch_tokens=64
+        )
 
 
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):
