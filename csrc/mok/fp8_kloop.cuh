@@ -62,33 +62,32 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   // this warp of the first warpgroup signals `issued`: after its issue (order 1) or its landing (order 2)
   const bool signal_issue = issued != nullptr && wgc == 0 && (lt & 31) == 0 && !after_landing;
   const bool signal_landing = issued != nullptr && wgc == 0 && (lt & 31) == 0 && after_landing;
-  // Scales: c* are the block whose products the accumulator holds (kb - 1 in the loop), n* the next block's.
-  // Block 0's and 1's are loaded once block 0's group is issued and first used in block 1's promotion;
-  // from then on block kb+1's are loaded after block kb's promotion, a whole block ahead of their use.
-  // Nothing is loaded or waited for between the tile's start and its first issue. (Before, the tile start
-  // loaded block 0's scales and a register rotation at the loop top copied them before block 0's issue:
-  // an L2 round trip before every tile's first group. Same values and operations: bit-identical.)
-  float ca0 = 1.f, ca1 = 1.f, cb0 = 1.f, cb1 = 1.f, na0 = 1.f, na1 = 1.f, nb0 = 1.f, nb1 = 1.f;
-  // block kb's four scales (1 for a row / column block past the tile)
-  auto load_scales = [&](int kb, float& a0, float& a1, float& b0, float& b1) {
-    a0 = sa0 ? __ldcg(sa0 + kb) : 1.f;
-    a1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
-    b0 = sb0 ? __ldg(sb0 + kb) : 1.f;
-    b1 = sb1 ? __ldg(sb1 + kb) : 1.f;
-  };
+  // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
+  // at the top of the block before its drain, so they have the drain and the previous block to land in.
+  // (The tenth session moved the loads behind each tile's first issue to spare the tile start one L2 round
+  // trip; side by side on the H100 that tree's FP8 tiles took 2.9 % (fc1) / 4.9 % (fc2) longer than this
+  // schedule's, so it is back: scripts/NOTES-kernel.md, eleventh session.)
+  float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
+  float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
+  float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
   int prev = 0;
   for (int kb = 0; kb < nk; ++kb) {
+    const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
+    if (kb + 1 < nk) {
+      na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
+      na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
+      nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
+      nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
+    }
     if (kb > 0) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
       if (signal_landing) Barrier::arrive(&issued[prev]);  // the second warpgroup may issue block kb-1
       if (!MOK_DBG(32)) {  // ablation build only: the drain without the promotion's FMULs (results wrong)
-        rescale_half(acc, __fdividef(ca0 * cb0, na0 * nb0), __fdividef(ca1 * cb0, na1 * nb0));
-        rescale_half(acc + 64, __fdividef(ca0 * cb1, na0 * nb1), __fdividef(ca1 * cb1, na1 * nb1));
+        rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
+        rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
       }
       if (lt == 0) release_stage(sm, prev);
-      ca0 = na0; ca1 = na1; cb0 = nb0; cb1 = nb1;
-      if (kb + 1 < nk) load_scales(kb + 1, na0, na1, nb0, nb1);
     }
     MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.full[st], ph, q, 4);
@@ -105,11 +104,8 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
     if (signal_issue) Barrier::arrive(&issued[st]);  // this warp's part issued
-    if (kb == 0) {
-      load_scales(0, ca0, ca1, cb0, cb1);
-      if (nk > 1) load_scales(1, na0, na1, nb0, nb1);
-    }
     after_issue(kb);
+    pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
@@ -117,8 +113,8 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   fence_acc(acc);
   if (signal_landing) Barrier::arrive(&issued[prev]);
   if (lt == 0) release_stage(sm, prev);
-  rescale_half(acc, ca0 * cb0, ca1 * cb0);
-  rescale_half(acc + 64, ca0 * cb1, ca1 * cb1);
+  rescale_half(acc, pa0 * pb0, pa1 * pb0);
+  rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);
 }
 
 }  // namespace mok
