@@ -108,7 +108,7 @@ def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
         _run_case(kernel, 1, 2, Ts=[64], mode="uniform", seed=3, **SMALL)
 
 
-@pytest.mark.parametrize("raster", ["1", "4"])
+@pytest.mark.parametrize("raster", ["1", "4", "16"])
 def test_ticket_orders(kernel, raster, monkeypatch):
     monkeypatch.setenv("MOK_RASTER", raster)  # tuning knob read by the host launcher
     _run_case(kernel, 2, 4, 512, 256, 4, Ts=[900, 700], mode="skewed", ring_slots=2, minibatch=300, seed=8)
