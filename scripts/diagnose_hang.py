@@ -88,8 +88,10 @@ def main() -> int:
     buf = ProgressBuffer()
     done = torch.cuda.Event()
     t0 = time.time()
+    print("launching", flush=True)
     kernel.mok_forward_emulated(x, idx, wts, w1, w2, check=False, timeline=buf, timeout_ms=args.timeout_ms, **kw)
     done.record()
+    print(f"launch returned after {time.time() - t0:.2f} s", flush=True)
     while time.time() - t0 < args.wait:
         if done.query():
             print(f"completed in < {time.time() - t0:.1f} s; last codes:")
