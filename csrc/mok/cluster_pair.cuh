@@ -14,9 +14,10 @@
 //     its own producer's expect_tx: the tx-count may go negative, the phase cannot complete without that
 //     producer's arrival).
 //   * cluster barrier: after the barrier init (the partner's remote arrivals need initialised barriers) and
-//     before a CTA exits (no remote arrival or multicast may target an exited CTA's shared memory). Threads
-//     that never touch the partner's shared memory (the in-SM pull warps) arrive on the second phase at once,
-//     so nobody waits for them (they themselves wait for compute to end: a cycle otherwise).
+//     before a CTA exits (no remote arrival or multicast may target an exited CTA's shared memory). It counts
+//     whole warps (see cluster_arrive): the producer's warp arrives with it once it is done; the warps that
+//     never touch the partner's shared memory (the in-SM pull warps) arrive on the second phase at once, so
+//     nobody waits for them (they themselves wait for compute to end: a cycle otherwise).
 #pragma once
 #include "common.cuh"
 #include "gemm_sm90.cuh"
@@ -29,11 +30,17 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
   return r;
 }
-// Non-aligned forms: the threads of a warp may arrive at different points of the code.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
-// An arrival that publishes nothing (no fence: the threads that use it never wrote what the partner reads).
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory"); }
+// Whole converged warps only (.aligned). The cluster barrier is a warp-level instruction on sm_90
+// (UCGABAR_ARV / UCGABAR_WAIT); ptxas lowers the non-aligned PTX form to a divergence check whose slow path
+// waits for the warp to converge. Measured on the H100: with lanes 1-31 of the producer's warp arriving
+// while lane 0 still ran the producer loop, clustered launches never finished (scripts/diagnose_hang.py:
+// lane 1 stuck before its arrival, the producer stuck before its own, the consumers in their wait).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// An arrival that publishes nothing (no fence: the warps that use it never wrote what the partner reads).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 
 // Shared-memory address of the same variable in CTA `cta` of the cluster.
 __device__ __forceinline__ uint32_t cluster_map(const void* local, uint32_t cta) {
@@ -114,6 +121,7 @@ __device__ __forceinline__ int2 ticket_receive(const Params& P, const TicketBox&
 __device__ __forceinline__ bool pair_agree(bool ok, int* s_flag) {
   __syncthreads();
   if (threadIdx.x == 0) *s_flag = ok ? 1 : 0;
+  __syncwarp();  // converged warps for the aligned cluster barrier
   cluster_arrive();
   cluster_wait();
   // A CTA that failed may have left before grid barrier 3 (a per-CTA verdict), so only a CTA that passed it
@@ -122,6 +130,7 @@ __device__ __forceinline__ bool pair_agree(bool ok, int* s_flag) {
   if (ok)
     asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(other) : "r"(cluster_map(s_flag, cluster_cta_rank() ^ 1u))
                  : "memory");
+  __syncwarp();
   cluster_arrive();  // both have read before either moves on (and may exit or reuse s_flag)
   cluster_wait();
   return ok && other != 0;

@@ -611,19 +611,22 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x == 0) {
-      if (paired) {
-        ffn_producer_pair<kFp8>(P, q, sm, crank);
+    if (threadIdx.x < 32) {  // warp 0: lane 0 is the producer
+      if (threadIdx.x == 0) {
+        if (paired) ffn_producer_pair<kFp8>(P, q, sm, crank);
+        else ffn_producer<kFp8>(P, q, sm);
         MOK_PROGRESS(0x1F000000u);
-        cluster_arrive();  // its last remote access (ticket mailbox, multicast) is issued
-      } else {
-        ffn_producer<kFp8>(P, q, sm);
+      }
+      if (paired) {  // the whole warp arrives (the cluster barrier is per warp: cluster_pair.cuh) once the
+        __syncwarp();  // producer's last remote access (ticket mailbox, multicast) is issued
+        cluster_arrive();
       }
     } else {
-      if (paired) cluster_arrive_relaxed();  // never touches the partner's shared memory: arrives at once
-                                             // (cluster_pair.cuh: the pull warps wait for compute, which waits below)
+      // warps 1-3 never touch the partner's shared memory: they arrive at once (cluster_pair.cuh: the pull
+      // warps wait for compute, which waits for this phase below)
+      if (paired) cluster_arrive_relaxed();
       MOK_PROGRESS(0x06000000u);
-      if (P.comm_sms == 0 && threadIdx.x >= 32) insm_pull_role<kFp8>(P, q, sm.pull_flag);
+      if (P.comm_sms == 0) insm_pull_role<kFp8>(P, q, sm.pull_flag);
       MOK_PROGRESS(0x07000000u);
     }
     return false;
@@ -632,6 +635,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     ffn_consumer<kFp8>(P, q, sm, wg - 1);
     MOK_PROGRESS(0x28000000u);
     if (paired) {  // no remote arrival or multicast may reach this CTA's shared memory once it has exited
+      __syncwarp();
       cluster_arrive();
       cluster_wait();
     }
