@@ -21,7 +21,8 @@ flow is a line-by-line port; each agent's code follows:
                   release_stage, compute_role's tail (cluster_arrive / cluster_wait, named_bar_sync(1, 256))
                   fp8_kloop.cuh: ffn_kloop_fp8 (issued: order 1 after issue, order 2 after landing)
                   deferred_release.cuh: DeferredActRelease::before_wait / flush / hold (named barriers)
-  R{c}          the other threads of WG0: compute_role's cluster_arrive_relaxed
+  R{c}          warps 1-3 of WG0: compute_role's cluster_arrive_relaxed (at once); warp 0's other lanes arrive
+                with the producer once it is done (the cluster barrier counts whole warps on sm_90)
   asynchronous  each TMA load landing in each destination CTA (complete_tx), each remote mbarrier arrival
                 (in flight per issuing thread, in order unless --reorder-remote), each WGMMA group landing
                 (launched once all four warps of the warpgroup issued it; a warpgroup's groups land in order)

@@ -1,0 +1,248 @@
+// MoK forward megakernel: shared types, constants and small PTX helpers.
+//
+// Everything here is our own code. From CUTLASS/CuTe (nvidia-cutlass==4.2.0.0 headers) we only use
+// arch-level atoms: the WGMMA instruction wrappers (cute/arch/mma_sm90_gmma.hpp), the TMA load
+// atom (cute/arch/copy_sm90_tma.hpp) and mbarrier helpers (cutlass/arch/barrier.h).
+#pragma once
+
+#include <cstdint>
+#include <cuda.h>  // CUtensorMap (types only; the driver entry point is fetched at run time)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#define MOK_MAX_RANKS 72
+#define MOK_MAX_LOCAL_EXPERTS 512
+#define MOK_MAX_EXPERTS 8192
+#define MOK_MAX_SLOTS 64
+
+// Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
+// -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
+// extra branches or registers; the bitmask comes from the MOK_DEBUG environment variable.
+#ifdef MOK_ABLATION
+#define MOK_DBG(bit) (P.debug & (bit))
+#else
+#define MOK_DBG(bit) 0
+#endif
+
+namespace mok {
+
+struct TimelineEvent;
+
+// ---- kernel geometry --------------------------------------------------------------------------
+constexpr int kThreads = 384;           // 3 warpgroups: WG0 = TMA producer, WG1/WG2 = WGMMA consumers
+constexpr int kWarps = kThreads / 32;
+constexpr int kBM = 128;                // GEMM tile rows (2 consumer warpgroups x 64)
+constexpr int kConsumerWGs = 2;         // each signals its rows of a tile itself (fc1_done, mb_done count both)
+constexpr int kBN = 256;                // GEMM tile cols (fc1: 128 gate + 128 up; fc2: 256 hidden)
+constexpr int kBK = 64;                 // 64 bf16 = 128 B = one SWIZZLE_128B row
+constexpr int kStages = 4;              // smem pipeline depth
+constexpr int kFc1ActCols = kBN / 2;    // activation columns produced per fc1 tile
+constexpr int kATileBytes = kBM * kBK * 2;      // 16 KB
+constexpr int kBTileBytes = kBN * kBK * 2;      // 32 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kChunkTokens = 128;       // schedule phase: tokens per chunk (one warp per chunk)
+// FP8 (e4m3) variant: the same 48 KB stages, each K step one 128-byte SW128 row = 128 e4m3 = one
+// scale block (DeepSeek-V3 recipe: 1 x 128 activation, 128 x 128 weight blocks).
+constexpr int kBKf8 = 128;
+constexpr int kScaleBlock = 128;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kInvE4m3Max = (float)(1.0 / 448.0);  // scale = amax * this (megatron_mok/fp8.py: _INV_MAX)
+constexpr float kScaleTiny = 1e-12f;  // all-zero blocks: a tiny scale instead of 0 (megatron_mok/fp8.py)
+
+// ---- error reporting ----------------------------------------------------------------------------
+enum ErrCode : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrBadIndex = 2,
+  kErrInternal = 3,
+  kErrBadShape = 4,
+  kErrCapacity = 5,  // the routing sends an owner more rows than its owner-side buffers hold
+};
+enum Phase : int {
+  kPhaseGridBarrier = 1,
+  kPhaseDispatchReady = 2,   // compute waits for dispatch of a ring slot
+  kPhaseSlotFree = 3,        // dispatch waits for a ring slot to be released by combine
+  kPhaseFc1Done = 4,         // fc2 tile waits for the fc1 tiles of its row block
+  kPhaseComputeDone = 5,     // final weighted combine waits for all experts' pushes
+  kPhasePipeline = 6,        // internal smem pipeline (mbarrier) wait
+  kPhaseSchedule = 7,
+  kPhasePeerStart = 8,       // per-rank launch: waits for every peer's start signal (inputs published)
+  kPhasePeerDone = 9,        // per-rank launch: waits for every peer's compute-done signal (pushes landed)
+  kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
+  kPhaseWgrad = 11,          // wgrad: expert row counts inconsistent with the layout buffers
+};
+// err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
+
+// ---- per-rank table (global memory) -------------------------------------------------------------
+// Emulated EP: all ranks live on one GPU and one launch. Per-rank launches (real EP, or several
+// launches on one GPU): x / idx / combine / signal are peer pointers (torch symmetric memory
+// buffer_ptrs) and the same device code runs unchanged.
+struct RankTable {
+  const __nv_bfloat16* x;       // [T, H]
+  const int* idx;               // [T, K]
+  const float* w;               // [T, K]
+  __nv_bfloat16* out;           // [T, H]
+  __nv_bfloat16* combine;       // [T, K, H]   (home-rank receive buffer of push combine)
+  int* tokens_per_expert;       // [L]
+  int T;
+  int entry_base;               // sum_{r'<r} T_r' * K
+  int chunk_base;               // sum_{r'<r} ceil(T_r' / kChunkTokens)
+  int pad;
+  unsigned* signal;             // [kSigKinds][MOK_MAX_RANKS] rank r's signal pad (per-rank launches only)
+  __nv_bfloat16* saved_h;       // owner: [layout rows, 2F] fc1 output kept for the backward, or null
+};
+
+// Signal pad of a rank (per-rank launches): slot [kind][src] is written by rank src with the call's
+// epoch (monotonic across calls, so the pad is never re-zeroed). kSigTokens carries src's T.
+enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigKinds = 3 };
+
+struct Params {
+  int R, L, E, H, F, K;
+  int rank0, nparts;                  // ranks [rank0, rank0 + nparts) run in this launch (emulated: 0, R)
+  int peer_sync;                      // 1: one launch per rank, ranks meet through signal pads (.sys)
+  unsigned epoch;                     // call number (>= 1) for the signal pads
+  int comm_sms, ctas_per_rank, ring_slots, minibatch;
+  int slot_rows;                      // forward: rows a ring slot holds (minibatch + kBM - 1; kept rows: minibatch)
+  int kept_layout;                    // forward: the ring is the caller's kept rows in layout order (KeptRows)
+  int mt_max, nt1, nt2, tickets_per_mb;  // tickets_per_mb: the backward's (the forward's are dense)
+  int mb_cap;                         // max minibatches per rank (counter array size)
+  int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
+                                      // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy
+  int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
+  int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
+  int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
+                                      // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
+  int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
+  int num_chunks, total_entries;
+  int stall_rank, stall_slot;
+  unsigned long long timeout_ns;
+  long long layout_cap;               // rows per rank in layout buffer
+  long long owner_rows;               // rows an owner's row buffers hold (saved h; backward xl/gyl/dh/act)
+  const RankTable* ranks;             // [R]
+  const CUtensorMap* tmaps;           // see tmap_* helpers
+  // Per-partition workspace ([nparts] leading dim, indexed by part(P, q) = q - rank0):
+  __nv_bfloat16* ring;                // [nparts][S][slot_rows][H]  dispatch ring buffer (x rows in layout order)
+  __nv_bfloat16* act;                 // [nparts][S][slot_rows][F]  SwiGLU activations per slot
+  int2* layout;                       // [nparts][layout_cap] (src rank, src entry t*K+k)
+  int* local_rank;                    // [total_entries]
+  int* chunk_counts;                  // [E][num_chunks] (zeroed per launch)
+  int* expert_total;                  // [E]
+  int* expert_off;                    // [nparts][L+1]
+  unsigned* counters;                 // see ctr_* helpers (zeroed per launch)
+  int* err;                           // [8]
+  TimelineEvent* timeline;            // optional [grid][timeline_cap] events (timeline.cuh), or nullptr
+  unsigned* timeline_count;           // [grid] events written per CTA (zeroed by the host)
+  int timeline_cap;
+  // FP8 forward only (kernel variant kFp8, kernel.dtype fp8): ring / act hold e4m3 bytes (ring and act
+  // above, reinterpreted), with one fp32 scale per 1 x 128 block of each row; the expert weights (tensor
+  // maps) are e4m3 with one fp32 scale per 128 x 128 block. Null in the bf16 kernel.
+  const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
+  float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
+  float* act_scale;                   // [nparts][S][slot_rows][F / 128]
+};
+
+// Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.
+__host__ __device__ __forceinline__ int part(const Params& P, int q) { return q - P.rank0; }
+__host__ __device__ __forceinline__ bool in_launch(const Params& P, int q) {
+  return (unsigned)(q - P.rank0) < (unsigned)P.nparts;
+}
+
+// Tensor map table, only for the experts of this launch's ranks: local expert id
+// g' = g - rank0 * L: 3*g'+0 gate [F,H], 3*g'+1 up [F,H], 3*g'+2 w2 [H,F];
+// then per partition p: 3*nparts*L + 2*p + 0 ring [S*slot_rows, H], + 1 act [S*slot_rows, F].
+__device__ __forceinline__ const CUtensorMap* tmap_expert(const Params& P, int g) {
+  return P.tmaps + 3 * (g - P.rank0 * P.L);
+}
+__device__ __forceinline__ const CUtensorMap* tmap_gate(const Params& P, int g) { return tmap_expert(P, g) + 0; }
+__device__ __forceinline__ const CUtensorMap* tmap_up(const Params& P, int g) { return tmap_expert(P, g) + 1; }
+__device__ __forceinline__ const CUtensorMap* tmap_w2(const Params& P, int g) { return tmap_expert(P, g) + 2; }
+__device__ __forceinline__ const CUtensorMap* tmap_ring(const Params& P, int q) {
+  return P.tmaps + 3 * P.nparts * P.L + 2 * part(P, q);
+}
+__device__ __forceinline__ const CUtensorMap* tmap_act(const Params& P, int q) { return tmap_ring(P, q) + 1; }
+
+// Counter layout (all monotonic within a launch; zeroed by the host launcher before each launch).
+// Ring-protocol counters are kept per minibatch (not per slot), so no round arithmetic is needed and
+// minibatches with fewer row blocks than others cannot confuse a slot's counters.
+// Per-partition counters (nparts = ranks in this launch).
+__host__ __device__ inline long long ctr_count(int nparts, int mb_cap, int mt_max) {
+  return 2 + (long long)nparts + 2LL * nparts * mb_cap + (long long)nparts * mb_cap * mt_max;
+}
+__device__ __forceinline__ unsigned* ctr_grid_barrier(const Params& P) { return P.counters + 0; }
+__device__ __forceinline__ unsigned* ctr_compute_done(const Params& P) { return P.counters + 1; }
+__device__ __forceinline__ unsigned* ctr_ticket(const Params& P, int q) { return P.counters + 2 + part(P, q); }
+// +1 per pulling CTA once its share of minibatch mb sits in its ring slot (ready_target: every CTA of the
+// rank for minibatch 0, the comm CTAs for the rest)
+__device__ __forceinline__ unsigned* ctr_ready(const Params& P, int q, int mb) {
+  return P.counters + 2 + P.nparts + (long long)part(P, q) * P.mb_cap + mb;
+}
+// +1 per consumer warpgroup per finished fc2 tile (its combine pushes written) of minibatch mb
+__device__ __forceinline__ unsigned* ctr_mb_done(const Params& P, int q, int mb) {
+  return P.counters + 2 + P.nparts + (long long)P.nparts * P.mb_cap + (long long)part(P, q) * P.mb_cap + mb;
+}
+// +1 per consumer warpgroup per finished fc1 tile of row block mt of minibatch mb
+__device__ __forceinline__ unsigned* ctr_fc1_done(const Params& P, int q, int mb, int mt) {
+  return P.counters + 2 + P.nparts + 2LL * P.nparts * P.mb_cap + ((long long)part(P, q) * P.mb_cap + mb) * P.mt_max +
+         mt;
+}
+
+// ---- PTX helpers ---------------------------------------------------------------------------------
+// Ring counters are GPU-local (.gpu scope) in the pull design; only the per-rank launches' start /
+// done signals cross GPUs (.sys scope, peer_sync.cuh).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_volatile_int(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned atom_add_acq_rel_gpu(unsigned* p, unsigned v) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void red_release_gpu_add(unsigned* p, unsigned v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Generic-proxy writes (st.global) that a later TMA (async proxy) read must see, and vice versa.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int nthreads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(nthreads) : "memory");
+}
+// Named barrier that also ORs a predicate over its threads: every thread gets the same answer.
+__device__ __forceinline__ bool named_bar_any(int id, int nthreads, bool p) {
+  int r;
+  asm volatile(
+      "{\n .reg .pred pi, po;\n setp.ne.b32 pi, %1, 0;\n barrier.cta.red.or.pred po, %2, %3, pi;\n"
+      " selp.b32 %0, 1, 0, po;\n}"
+      : "=r"(r)
+      : "r"((int)p), "r"(id), "r"(nthreads)
+      : "memory");
+  return r != 0;
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace mok

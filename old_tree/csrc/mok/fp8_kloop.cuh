@@ -1,0 +1,90 @@
+// FP8 K loop of one 128 x 256 tile (two consumer warpgroups of 64 rows), shared by the forward kernel's
+// fc1 / fc2 tiles (expert_ffn.cuh) and the backward kernel's dgrad stages (backward/bwd_gemm.cuh).
+// Smem: the kernel's carve of the stage ring (fields stages, full, empty), filled by a TMA producer with
+// [128 rows x 128 e4m3] A and [256 rows x 128 e4m3] B per stage (SW128, one scale block per K step).
+#pragma once
+#include "common.cuh"
+#include "fp8_quant.cuh"
+#include "gemm_sm90.cuh"
+#include "timeout.cuh"
+
+namespace mok {
+
+// FP8 K loop of one tile: acc = sum_kb P_kb * sa[row, kb] * sb[col block, kb] (see rescale_half).
+// sa0 / sa1: this thread's two rows' activation scales ([*, nkb] fp32, written in this kernel: read
+// through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
+// ([*, nkb], nullptr past the matrix). Each K block is one WGMMA group of four m64n256k32 (A read once
+// for both 128-column scale blocks); before block kb's group the accumulator waits for block kb-1's
+// (wait<0>) and is rescaled to block kb's scales, per row and per 128-column half.
+//
+// Why wait<0> and not a group per half with wait<1>: ptxas does not track which in-flight group writes
+// which registers; an FMUL on a half whose group has landed while the other half's group still runs
+// makes it serialise every wgmma of the kernel (warning C7514: each wgmma waits for the previous one).
+// One drain per K block per warpgroup is cheap by comparison: the other consumer warpgroup's group keeps
+// the tensor cores busy meanwhile.
+// after_issue(kb) runs once block kb's group is in flight (held counter releases are flushed there, see
+// deferred_release.cuh; the forward's fc2 tiles resolve their push rows at block 1).
+//
+// issued (optional, kStages mbarriers of 4 arrivals; nullptr = off): the second warpgroup issues a stage's
+// group only after the first one's four warps have issued theirs on the same stage. Both warpgroups wait
+// for the same stage, so unordered they issue together, the tensor cores interleave the two groups, both
+// land at once and both drain and rescale while the tensor cores idle; ordered, the first group lands while
+// the second still runs and the first warpgroup's rescale hides behind it. The barrier's phase moves with
+// the stage's (the first warpgroup can be at most the ring ahead: a stage is refilled only once both have
+// released it), so the stage ring's phase bit `ph` is its phase too -- provided the first warpgroup arrives
+// on every use of a stage, also on stages a caller takes outside this loop (the dgrad's g / u stages).
+struct NoHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <class Smem, class Hook = NoHook>
+__device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
+                                              const float* sa0, const float* sa1, const float* sb0,
+                                              const float* sb1, float* acc, int& st, uint32_t& ph,
+                                              Hook after_issue = Hook{}, uint64_t* issued = nullptr) {
+  const int lt = threadIdx.x & 127;
+  float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
+  int prev = 0;
+  // scales are loaded one K block ahead: an L2 round trip per block would otherwise stall the promotion
+  float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
+  float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
+  for (int kb = 0; kb < nk; ++kb) {
+    const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
+    if (kb + 1 < nk) {
+      na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
+      na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
+      nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
+      nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
+    }
+    if (kb > 0) {
+      cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
+      fence_acc(acc);
+      rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
+      rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
+      if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+    }
+    mbar_wait(P, &sm.full[st], ph, q, 4);
+    if (issued != nullptr && wgc == 1) mbar_wait(P, &issued[st], ph, q, 7);  // after the first warpgroup's group
+    const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
+    const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
+    const uint64_t da = make_smem_desc_sw128(a_s);
+    fence_acc(acc);
+    cute::warpgroup_arrive();
+    const uint64_t db = make_smem_desc_sw128(b_s);  // 256 rows of 128 B: both column blocks
+#pragma unroll
+    for (int kk = 0; kk < kBKf8 / 32; ++kk)
+      wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+    cute::warpgroup_commit_batch();
+    if (issued != nullptr && wgc == 0 && (lt & 31) == 0) Barrier::arrive(&issued[st]);  // this warp's part issued
+    after_issue(kb);
+    pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
+    prev = st;
+    if (++st == kStages) { st = 0; ph ^= 1u; }
+  }
+  cute::warpgroup_wait<0>();
+  fence_acc(acc);
+  if (lt == 0) Barrier::arrive(&sm.empty[prev]);
+  rescale_half(acc, pa0 * pb0, pa1 * pb0);
+  rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);
+}
+
+}  // namespace mok

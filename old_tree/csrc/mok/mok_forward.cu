@@ -1,0 +1,697 @@
+// MoK forward megakernel (BF16, or FP8 e4m3 with block scales): schedule -> pull dispatch -> expert FFN (fc1, SwiGLU, fc2)
+// -> push combine -> top-k weighted sum, all in ONE persistent cooperative kernel launch.
+//
+// Grid: P partitions x ctas_per_rank CTAs (1 CTA per SM, 384 threads), one partition per rank run
+// by this launch. In each partition the first comm_sms CTAs do pull dispatch (and the final weighted
+// sum), the rest run the warp-specialized WGMMA expert FFN; comm_sms = 0 runs the FFN on every CTA and the
+// pull on spare warps of their producer warpgroups (pull_dispatch.cuh). Ranks only see each other through the
+// per-rank table, so the same device code serves
+//   * emulated EP: all R ranks in one launch on one GPU (P = R), and
+//   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
+//     ranks meet at start / compute-done on their signal pads (peer_sync.cuh).
+//
+// Host side: a torch-independent extern "C" API (ctypes), every CUDA call checked.
+//   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs
+//   mok_forward_emulated_launch(args, stream, errbuf, errlen) -> 0 on success
+//   mok_forward_rank_launch(args, stream, errbuf, errlen)     -> 0 on success
+//   mok_device_info(dev, &num_sms, &major, &minor)
+//   mok_fp8_gemm_workspace_bytes / mok_fp8_gemm_launch: the FP8 block-scaled grouped GEMM unit (fp8_gemm.cuh)
+//   mok_fp8_quantize_weight: e4m3 + 128 x 128 block scales of a bf16 weight (fp8_weight_quant.cuh)
+//   mok_mxfp8_quantize_rows: MXFP8 (e4m3 + UE8M0 per 1 x 32) rows, the Blackwell recipe's quantiser (mxfp8_quant.cuh)
+#include "common.cuh"
+#include "expert_ffn.cuh"
+#include "fp8_gemm.cuh"
+#include "fp8_weight_quant.cuh"
+#include "mxfp8_quant.cuh"
+#include "peer_sync.cuh"
+#include "pull_dispatch.cuh"
+#include "push_combine.cuh"
+#include "ring_buffer.cuh"
+#include "schedule.cuh"
+#include "timeline.cuh"
+#include "timeout.cuh"
+#include "host_launch.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace mok {
+
+// Before the final weighted sum of rank q: every rank's expert outputs have been pushed.
+__device__ __forceinline__ bool wait_all_computed(const Params& P, int q, int n_comp) {
+  if (P.peer_sync) return wait_peers(P, q, kSigDone, kPhasePeerDone);
+  return wait_counter_geq(P, ctr_compute_done(P), (unsigned)(P.R * n_comp), q, -1, kPhaseComputeDone, 2);
+}
+
+// kFp8: e4m3 operands with 1 x 128 / 128 x 128 block scales (kernel.dtype fp8): the pull quantises x
+// into the ring slot, the fc1 epilogue quantises the SwiGLU output; everything else is shared.
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_constant__ Params P) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_flag;
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const unsigned long long t_entry = globaltimer_ns();
+
+  // ---- per-rank launch: meet every peer (their inputs are published, previous call finished) ----
+  if (P.peer_sync) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) signal_peers(P, P.rank0, kSigStart);
+    if (threadIdx.x == 0) s_flag = wait_peers(P, P.rank0, kSigStart, kPhasePeerStart) ? 1 : 0;
+    __syncthreads();
+    if (!s_flag) return;
+  }
+
+  // ---- schedule (all CTAs) ----
+  schedule_count(P);
+  if (!grid_barrier(P, 1, &s_flag)) return;
+  schedule_scan(P);
+  if (!grid_barrier(P, 2, &s_flag)) return;
+  schedule_place(P, reinterpret_cast<int*>(smem));
+  if (!grid_barrier(P, 3, &s_flag) || cta_aborted(P, &s_flag)) return;  // incl. an owner over capacity
+  if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
+
+  // ---- SM roles ----
+  const int q = P.rank0 + blockIdx.x / P.ctas_per_rank;
+  const int local = blockIdx.x % P.ctas_per_rank;
+  const int n_comp = P.ctas_per_rank - P.comm_sms;
+  const int warp = threadIdx.x >> 5;
+  const int nworkers = P.comm_sms * kWarps + n_comp * 8;
+  if (local < P.comm_sms) {
+    if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
+    if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
+    __syncthreads();
+    if (!s_flag) return;
+    const unsigned long long t0 = globaltimer_ns();
+    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
+    if (P.timeline) {
+      __syncthreads();
+      if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+    }
+  } else {
+    compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
+    if (!compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
+    // consumer warpgroups (256 threads) join the final weighted sum
+    int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
+    if (threadIdx.x == 128) *flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
+    named_bar_sync(1, 256);
+    if (!*flag) return;
+    const unsigned long long t0 = globaltimer_ns();
+    if (!MOK_DBG(1)) combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
+    if (P.timeline) {
+      named_bar_sync(1, 256);
+      if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
+    }
+  }
+}
+
+}  // namespace mok
+
+// =================================================================================================
+// Host API
+// =================================================================================================
+extern "C" {
+
+struct MokLaunchArgs {
+  int R, L, H, F, K;
+  int comm_sms, ring_slots, minibatch;
+  int ctas_per_rank;  // 0 = auto: floor(num_sms / R)
+  int stall_rank, stall_slot;
+  int device;
+  double timeout_ms;
+  const long long* T;               // host [R] tokens per rank
+  const unsigned long long* x;      // host [R] device ptrs
+  const unsigned long long* idx;    // host [R]
+  const unsigned long long* w;      // host [R]
+  const unsigned long long* out;    // host [R]
+  const unsigned long long* combine;// host [R]
+  const unsigned long long* tpe;    // host [R]
+  const unsigned long long* w1;     // host [R*L] expert (q*L+e) fc1 weight [2F, H]
+  const long long* w1_ld;           // host [R*L] row stride (elements)
+  const unsigned long long* w2;     // host [R*L] fc2 weight [H, F]
+  const long long* w2_ld;           // host [R*L]
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;           // device int32[8]
+  // Per-rank launch (mok_forward_rank_launch) only; the emulated launch ignores these:
+  int rank;                         // this launch runs rank `rank`; -1 = emulated (all R ranks)
+  unsigned epoch;                   // call number >= 1, the same on every rank
+  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[3*72])
+  // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
+  unsigned long long timeline;
+  unsigned long long timeline_count;
+  int timeline_cap;
+  // Optional: host [R] device ptrs (0 = none) of the owners' fc1-output buffers [saved_h_rows, 2F] bf16
+  // (layout order) that the backward reads instead of recomputing fc1; only this launch's ranks' are used.
+  const unsigned long long* saved_h;
+  long long saved_h_rows;
+  // FP8 kernel (kernel.dtype fp8) when fp8 = 1: w1 / w2 then point at e4m3 weights (w1_ld / w2_ld in
+  // elements = bytes) and w1s / w2s at their fp32 128 x 128 block scales, host [R*L] device ptrs of
+  // [2F/128, H/128] and [H/128, F/128] (contiguous). Needs H and F multiples of 128.
+  int fp8;
+  const unsigned long long* w1s;
+  const unsigned long long* w2s;
+  // Optional (bf16 only): keep the expert input and SwiGLU output rows for the backward. keep_x
+  // [parts][keep_rows][H] and keep_act [parts][keep_rows][F] bf16 (parts = the launch's ranks,
+  // contiguous) replace the ring: minibatch i sits at its own layout rows [mb_begin(i), mb_begin(i+1))
+  // of its owner's part, so the backward reads them instead of pulling x again and recomputing act (the rows
+  // Megatron's grouped GEMM keeps too). keep_rows: a multiple of the minibatch, the owner capacity.
+  unsigned long long keep_x;
+  unsigned long long keep_act;
+  long long keep_rows;
+};
+
+}  // extern "C"
+
+namespace {
+
+using namespace mok_host;
+
+struct WsLayout {
+  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, zero_begin, counters,
+      chunk_counts, zero_end, total;
+  long long layout_cap;
+  int num_chunks, total_entries, mt_max, mb_cap, E;
+};
+
+bool validate(const MokLaunchArgs* a, char* eb, int el) {
+  if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS)
+    return !write_err(eb, el, "local experts L=%d out of [1, %d]", a->L, MOK_MAX_LOCAL_EXPERTS);
+  if ((long long)a->R * a->L > MOK_MAX_EXPERTS) return !write_err(eb, el, "E=R*L exceeds %d", MOK_MAX_EXPERTS);
+  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
+  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
+  if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
+  if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS)
+    return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
+  if (a->minibatch < 1 || a->minibatch > (1 << 20))
+    return !write_err(eb, el, "minibatch_tokens=%d out of [1, 2^20]", a->minibatch);
+  if (a->comm_sms < 0)
+    return !write_err(eb, el, "comm_sms=%d must be >= 0 (0: pull on the compute SMs' spare warps)", a->comm_sms);
+  if (a->fp8 && (a->H % 128 || a->F % 128))
+    return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
+  if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
+  if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
+  if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch))
+    return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
+                      a->minibatch);
+  if (a->keep_x && a->keep_rows / a->minibatch >= (1 << 24))
+    return !write_err(eb, el, "keep_rows=%lld holds >= 2^24 minibatches of %d rows", a->keep_rows, a->minibatch);
+  long long entries = 0;
+  for (int r = 0; r < a->R; ++r) {
+    if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
+    entries += a->T[r] * a->K;
+  }
+  if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
+  return true;
+}
+
+// Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
+int launch_parts(const MokLaunchArgs* a) { return a->rank >= 0 ? 1 : a->R; }
+
+// Rows of one ring slot: the largest minibatch (ring_buffer.cuh: mb_begin); with kept rows the ring is
+// the caller's layout-order buffer, whose "slots" are minibatch-sized pieces of it.
+int slot_rows(const MokLaunchArgs* a) { return a->keep_x ? a->minibatch : a->minibatch + mok::kBM - 1; }
+
+WsLayout plan(const MokLaunchArgs* a) {
+  WsLayout w{};
+  w.E = a->R * a->L;
+  const int np = launch_parts(a);
+  long long entries = 0;
+  int chunks = 0;
+  for (int r = 0; r < a->R; ++r) {
+    entries += a->T[r] * a->K;
+    chunks += (int)((a->T[r] + mok::kChunkTokens - 1) / mok::kChunkTokens);
+  }
+  w.total_entries = (int)entries;
+  w.num_chunks = chunks;
+  w.layout_cap = entries > 0 ? entries : 1;
+  w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
+  // a minibatch holds < minibatch + kBM rows (its boundaries sit on its experts' tile grids, ring_buffer.cuh)
+  const int mb_rows = a->minibatch + mok::kBM - 1;
+  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(a->L, mb_rows) - 1;
+  // kept rows: the caller's buffers are the ring (one slot per minibatch), none in the workspace
+  const size_t S = a->keep_x ? 0 : a->ring_slots, M = slot_rows(a);
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 1024); return o; };
+  w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
+  w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
+  w.wscale = take((size_t)np * a->L * 2 * sizeof(void*));  // staged with the maps and rank table (before ring)
+  w.ring = take((size_t)np * S * M * a->H * (a->fp8 ? 1 : 2));
+  w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
+  w.act = take((size_t)np * S * M * a->F * (a->fp8 ? 1 : 2));
+  w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
+  w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
+  w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
+  w.expert_total = take((size_t)w.E * 4);
+  w.expert_off = take((size_t)np * (a->L + 1) * 4);
+  w.zero_begin = off;
+  w.counters = take((size_t)mok::ctr_count(np, w.mb_cap, w.mt_max) * 4);
+  w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
+  w.zero_end = off;
+  w.total = off;
+  return w;
+}
+
+
+}  // namespace
+
+extern "C" {
+
+long long mok_workspace_bytes(const MokLaunchArgs* a) {
+  if (!validate(a, nullptr, 0)) return -1;
+  return (long long)plan(a).total;
+}
+
+const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
+
+int mok_smem_bytes(int E) {
+  return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
+}
+
+int mok_device_info(int device, int* num_sms, int* major, int* minor) {
+  if (cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return 1;
+  return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// One launch of the forward kernel for ranks [rank0, rank0 + np): np = R (emulated EP, rank = -1) or
+// np = 1 (per-rank launch of rank `rank`, peers met through their signal pads).
+int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (!validate(a, errbuf, errlen)) return 1;
+  const int np = launch_parts(a);
+  const int rank0 = a->rank >= 0 ? a->rank : 0;
+  // saved_h holds saved_h_rows rows per owner (a capacity: the kernel reports an owner routed more rows)
+  if (a->saved_h && a->saved_h_rows < 1)
+    return write_err(errbuf, errlen, "saved_h buffer needs >= 1 row, got %lld", a->saved_h_rows);
+  if (a->rank >= 0) {
+    if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
+    if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
+    if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
+    for (int r = 0; r < a->R; ++r)
+      if (!a->signal[r]) return write_err(errbuf, errlen, "signal pad of rank %d is null", r);
+  }
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0, max_blocks = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const WsLayout ws = plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
+  if (cpr < 2 || cpr - a->comm_sms < 1)
+    return write_err(errbuf, errlen,
+                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
+                     np, num_sms, cpr, a->comm_sms);
+  const int smem = mok_smem_bytes(ws.E);
+  const int v = a->fp8 ? 1 : 0;
+  auto kernel = v ? mok::mok_forward_kernel<true> : mok::mok_forward_kernel<false>;
+  static int cached_smem[2][64] = {{0}}, cached_blocks[2][64] = {{0}};  // per variant and device: set once per size
+  const int dslot = a->device & 63;
+  if (cached_smem[v][dslot] != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[v][dslot], kernel, mok::kThreads, smem));
+    cached_smem[v][dslot] = smem;
+  }
+  max_blocks = cached_blocks[v][dslot];
+  if ((long long)np * cpr > (long long)max_blocks * num_sms)
+    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
+                     max_blocks);
+
+  uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
+  // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
+  // (host_launch.h), so the copy is truly asynchronous and no launch waits for an earlier one's copy.
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.ring, stream)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.ring);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  const int L = a->L, H = a->H, F = a->F, M = a->minibatch, SR = slot_rows(a);
+  const int S = a->keep_x ? (int)(a->keep_rows / M) : a->ring_slots;  // kept rows: a slot per minibatch
+  const bool keep = a->keep_x != 0;
+  if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
+  const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
+  for (int g = 0; a->fp8 && g < np * L; ++g) {  // e4m3 weights: 1-byte maps, 128-element (= 128 B) K boxes
+    const uint8_t* w1 = reinterpret_cast<const uint8_t*>(a->w1[g]);
+    const uint8_t* w2 = reinterpret_cast<const uint8_t*>(a->w2[g]);
+    if (!w1 || !w2 || !a->w1s[g] || !a->w2s[g])
+      return write_err(errbuf, errlen, "fp8 expert %d: null weight or scale pointer", rank0 * L + g);
+    wsc[2 * g] = reinterpret_cast<const float*>(a->w1s[g]);
+    wsc[2 * g + 1] = reinterpret_cast<const float*>(a->w2s[g]);
+    const int ge = rank0 * L + g;  // global expert index (error text)
+    if (!encode_2d_u8(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols, errbuf, errlen,
+                      "fp8 w1 gate", ge))
+      return 1;
+    if (!encode_2d_u8(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols,
+                      errbuf, errlen, "fp8 w1 up", ge))
+      return 1;
+    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, "fp8 w2", ge))
+      return 1;
+  }
+  for (int g = 0; !a->fp8 && g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
+    const __nv_bfloat16* w1 = reinterpret_cast<const __nv_bfloat16*>(a->w1[g]);
+    const __nv_bfloat16* w2 = reinterpret_cast<const __nv_bfloat16*>(a->w2[g]);
+    const int ge = rank0 * L + g;  // global expert index (error text)
+    if (!encode_2d(&maps[3 * g + 0], w1, H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols, errbuf, errlen, "w1 gate", ge))
+      return 1;
+    if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
+                   errbuf, errlen, "w1 up", ge))
+      return 1;
+    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, "w2", ge)) return 1;
+  }
+  for (int p = 0; a->fp8 && p < np; ++p) {
+    const uint8_t* ring = wsp + ws.ring + (size_t)p * S * SR * H;
+    const uint8_t* act = wsp + ws.act + (size_t)p * S * SR * F;
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * SR, H, mok::kBKf8, mok::kBM, errbuf,
+                      errlen, "fp8 ring"))
+      return 1;
+    if (!encode_2d_u8(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * SR, F, mok::kBKf8, mok::kBM,
+                      errbuf, errlen, "fp8 act"))
+      return 1;
+  }
+  for (int p = 0; !a->fp8 && p < np; ++p) {
+    const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring)) + (size_t)p * S * SR * H;
+    const __nv_bfloat16* act = reinterpret_cast<const __nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act)) + (size_t)p * S * SR * F;
+    if (!encode_2d(&maps[3 * np * L + 2 * p], ring, H, (unsigned long long)S * SR, H, mok::kBK, mok::kBM, errbuf,
+                   errlen, "ring"))
+      return 1;
+    if (!encode_2d(&maps[3 * np * L + 2 * p + 1], act, F, (unsigned long long)S * SR, F, mok::kBK, mok::kBM, errbuf,
+                   errlen, "act"))
+      return 1;
+  }
+  mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
+  long long entry_base = 0;
+  int chunk_base = 0;
+  for (int r = 0; r < a->R; ++r) {
+    rt[r].x = reinterpret_cast<const __nv_bfloat16*>(a->x[r]);
+    rt[r].idx = reinterpret_cast<const int*>(a->idx[r]);
+    rt[r].w = reinterpret_cast<const float*>(a->w[r]);
+    rt[r].out = reinterpret_cast<__nv_bfloat16*>(a->out[r]);
+    rt[r].combine = reinterpret_cast<__nv_bfloat16*>(a->combine[r]);
+    rt[r].tokens_per_expert = reinterpret_cast<int*>(a->tpe[r]);
+    rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
+    rt[r].saved_h = a->saved_h ? reinterpret_cast<__nv_bfloat16*>(a->saved_h[r]) : nullptr;
+    rt[r].T = (int)a->T[r];
+    rt[r].entry_base = (int)entry_base;
+    rt[r].chunk_base = chunk_base;
+    entry_base += a->T[r] * a->K;
+    chunk_base += (int)((a->T[r] + mok::kChunkTokens - 1) / mok::kChunkTokens);
+  }
+
+  mok::Params P{};
+  P.R = a->R; P.L = L; P.E = ws.E; P.H = H; P.F = F; P.K = a->K;
+  P.rank0 = rank0; P.nparts = np; P.peer_sync = a->rank >= 0 ? 1 : 0; P.epoch = a->epoch;
+  P.comm_sms = a->comm_sms; P.ctas_per_rank = cpr; P.ring_slots = S; P.minibatch = M;
+  P.slot_rows = SR; P.kept_layout = keep ? 1 : 0;
+  P.mt_max = ws.mt_max;
+  P.mb_cap = ws.mb_cap;
+  {
+    const char* rs = getenv("MOK_RASTER");  // tuning knob (bench sweeps it)
+    P.raster = rs ? std::max(0, std::min(64, atoi(rs))) : 0;
+    const char* ds = getenv("MOK_DEBUG");  // timing ablations only
+    P.debug = ds ? atoi(ds) : 0;
+    const char* ls = getenv("MOK_CONSUMER_LEAD_NS");  // tuning knob (bench_fp8.py --ab-lead)
+    P.consumer_lead_ns = ls ? std::max(0, std::min(100000, atoi(ls))) : 0;
+    P.consumer_sync = env_flag("MOK_CONSUMER_SYNC", 0);  // tuning knob (bench_fp8.py --ab-env): lock-step consumers
+    // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
+    // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session)
+    P.fp8_issue_order = env_flag("MOK_FP8_ISSUE_ORDER", 1);
+  }
+  P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
+  P.nt2 = (H + mok::kBN - 1) / mok::kBN;
+  P.num_chunks = ws.num_chunks; P.total_entries = ws.total_entries;
+  P.stall_rank = a->stall_rank; P.stall_slot = a->stall_slot;
+  P.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  P.layout_cap = ws.layout_cap;
+  P.owner_rows = LLONG_MAX;  // without saved h or kept rows no row buffer is owner-sized
+  if (a->saved_h) P.owner_rows = a->saved_h_rows;
+  if (keep) P.owner_rows = std::min<long long>(P.owner_rows, a->keep_rows);
+  P.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);
+  P.tmaps = reinterpret_cast<const CUtensorMap*>(wsp + ws.tmaps);
+  P.ring = reinterpret_cast<__nv_bfloat16*>(keep ? a->keep_x : (unsigned long long)(wsp + ws.ring));
+  P.act = reinterpret_cast<__nv_bfloat16*>(keep ? a->keep_act : (unsigned long long)(wsp + ws.act));
+  P.layout = reinterpret_cast<int2*>(wsp + ws.layout);
+  P.local_rank = reinterpret_cast<int*>(wsp + ws.local_rank);
+  P.chunk_counts = reinterpret_cast<int*>(wsp + ws.chunk_counts);
+  P.expert_total = reinterpret_cast<int*>(wsp + ws.expert_total);
+  P.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
+  P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
+  if (a->fp8) {
+    P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);
+    P.ring_scale = reinterpret_cast<float*>(wsp + ws.ring_scale);
+    P.act_scale = reinterpret_cast<float*>(wsp + ws.act_scale);
+  }
+  P.err = reinterpret_cast<int*>(a->err);
+  P.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);
+  P.timeline_count = reinterpret_cast<unsigned*>(a->timeline_count);
+  P.timeline_cap = a->timeline ? a->timeline_cap : 0;
+  if (a->timeline && (a->timeline_cap < 1 || !a->timeline_count))
+    return write_err(errbuf, errlen, "timeline buffer needs timeline_cap >= 1 and a count array");
+
+  MOK_CUDA_CHECK(stg.upload(wsp, ws.ring, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
+  if (a->timeline)
+    MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
+
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(np * cpr));
+  cfg.blockDim = dim3(mok::kThreads);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
+  // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
+  const char* coop = getenv("MOK_COOPERATIVE");
+  cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Emulated EP: all R ranks' partitions in one launch on one GPU (a->rank is ignored).
+int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  MokLaunchArgs b = *a;
+  b.rank = -1;
+  return forward_launch(&b, stream_ptr, errbuf, errlen);
+}
+
+// Per-rank launch of rank a->rank (real EP: one per GPU, x/idx/combine/signal are symmetric-memory
+// peer pointers; w1/w2/w1_ld/w2_ld hold this rank's L experts only). Every rank must launch with the
+// same epoch and token count; the kernel meets the peers on their signal pads and reports a peer
+// that never arrives (timeout) or announces another token count.
+int mok_forward_rank_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
+  return forward_launch(a, stream_ptr, errbuf, errlen);
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// FP8 block-scaled grouped GEMM (fp8_gemm.cuh): the unit kernel of the FP8 path (issue #5)
+// =================================================================================================
+extern "C" {
+
+struct MokFp8GemmArgs {
+  int L, N, K, device;
+  long long rows;                     // rows of xq / xs / out
+  const long long* counts;            // host [L] rows per expert, segments back to back from row 0
+  unsigned long long xq;              // device e4m3 [rows, K]
+  unsigned long long xs;              // device fp32 [rows, K / 128]
+  const unsigned long long* wq;       // host [L] device e4m3 [N, K]
+  const unsigned long long* ws;       // host [L] device fp32 [N / 128, K / 128]
+  unsigned long long out;             // device bf16 [rows, N]
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;             // device int32[16]
+  double timeout_ms;
+};
+
+}  // extern "C"
+
+namespace {
+
+struct F8Ws {
+  size_t tmaps, ws_ptrs, mtiles, total;
+  long long num_mtiles;
+};
+
+bool fp8_validate(const MokFp8GemmArgs* a, char* eb, int el) {
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
+  if (a->N < 128 || a->N % 128) return !write_err(eb, el, "N=%d must be a positive multiple of 128", a->N);
+  if (a->K < 128 || a->K % 128) return !write_err(eb, el, "K=%d must be a positive multiple of 128", a->K);
+  if (a->rows < 0 || a->rows >= (1LL << 31)) return !write_err(eb, el, "rows=%lld out of range", a->rows);
+  long long sum = 0;
+  for (int e = 0; e < a->L; ++e) {
+    if (a->counts[e] < 0) return !write_err(eb, el, "counts[%d] < 0", e);
+    sum += a->counts[e];
+  }
+  if (sum > a->rows) return !write_err(eb, el, "expert rows sum to %lld > %lld rows of x", sum, a->rows);
+  return true;
+}
+
+F8Ws fp8_plan(const MokFp8GemmArgs* a) {
+  F8Ws w{};
+  for (int e = 0; e < a->L; ++e) w.num_mtiles += (a->counts[e] + mok::fp8::kF8BM - 1) / mok::fp8::kF8BM;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 128); return o; };
+  w.tmaps = take((size_t)(1 + a->L) * sizeof(CUtensorMap));
+  w.ws_ptrs = take((size_t)a->L * sizeof(void*));
+  w.mtiles = take((size_t)std::max<long long>(w.num_mtiles, 1) * sizeof(int4));
+  w.total = off;
+  return w;
+}
+
+}  // namespace
+
+extern "C" {
+
+long long mok_fp8_gemm_workspace_bytes(const MokFp8GemmArgs* a) {
+  if (!fp8_validate(a, nullptr, 0)) return -1;
+  return (long long)fp8_plan(a).total;
+}
+
+int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (!fp8_validate(a, errbuf, errlen)) return 1;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const F8Ws ws = fp8_plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "fp8 gemm workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  if (ws.num_mtiles == 0) return 0;  // no rows: nothing to write
+  if (!a->xq || !a->xs || !a->out) return write_err(errbuf, errlen, "fp8 gemm: x / scales / out pointer is null");
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.total, stream)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.total);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  const int L = a->L, N = a->N, K = a->K;
+  if (!encode_2d_u8(&maps[0], reinterpret_cast<void*>(a->xq), K, a->rows, K, mok::fp8::kF8BK, mok::fp8::kF8BM,
+                    errbuf, errlen, "fp8 xq"))
+    return 1;
+  const float** wsp = reinterpret_cast<const float**>(host + ws.ws_ptrs);
+  for (int e = 0; e < L; ++e) {
+    if (!a->wq[e] || !a->ws[e]) return write_err(errbuf, errlen, "fp8 gemm: expert %d weight / scale pointer is null", e);
+    if (!encode_2d_u8(&maps[1 + e], reinterpret_cast<void*>(a->wq[e]), K, N, K, mok::fp8::kF8BK, mok::fp8::kF8BN,
+                      errbuf, errlen, "fp8 wq"))
+      return 1;
+    wsp[e] = reinterpret_cast<const float*>(a->ws[e]);
+  }
+  int4* mt = reinterpret_cast<int4*>(host + ws.mtiles);
+  long long row = 0, i = 0;
+  for (int e = 0; e < L; ++e) {
+    for (long long r = 0; r < a->counts[e]; r += mok::fp8::kF8BM)
+      mt[i++] = make_int4(e, (int)(row + r), (int)std::min<long long>(mok::fp8::kF8BM, a->counts[e] - r), 0);
+    row += a->counts[e];
+  }
+  uint8_t* dev = reinterpret_cast<uint8_t*>(a->workspace);
+  mok::fp8::F8GemmParams P{};
+  P.base.R = 1;
+  P.base.L = L;
+  P.base.nparts = 1;
+  P.base.stall_rank = P.base.stall_slot = -1;
+  P.base.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  P.base.err = reinterpret_cast<int*>(a->err);
+  P.N = N;
+  P.K = K;
+  P.n_tiles = N / mok::fp8::kF8BN;
+  const long long tiles = ws.num_mtiles * P.n_tiles;
+  if (tiles >= (1LL << 31)) return write_err(errbuf, errlen, "fp8 gemm: %lld tiles", tiles);
+  P.num_tiles = (int)tiles;
+  P.mtiles = reinterpret_cast<const int4*>(dev + ws.mtiles);
+  P.tm = reinterpret_cast<const CUtensorMap*>(dev + ws.tmaps);
+  P.xs = reinterpret_cast<const float*>(a->xs);
+  P.ws = reinterpret_cast<const float* const*>(dev + ws.ws_ptrs);
+  P.out = reinterpret_cast<__nv_bfloat16*>(a->out);
+  const int smem = mok::fp8::fp8_gemm_smem_bytes() + 1024;
+  static int cached_smem[64] = {0};
+  if (cached_smem[a->device & 63] != smem) {
+    MOK_CUDA_CHECK(
+        cudaFuncSetAttribute(mok::fp8::mok_fp8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cached_smem[a->device & 63] = smem;
+  }
+  MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
+  const unsigned grid = (unsigned)std::min<long long>(num_sms, tiles);
+  mok::fp8::mok_fp8_gemm_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// FP8 weight quantisation (fp8_weight_quant.cuh): once per optimizer step, bit-identical to the oracle
+// =================================================================================================
+extern "C" {
+
+int mok_fp8_quantize_weight(unsigned long long w, long long ld, int N, int K, unsigned long long q,
+                            unsigned long long s, int device, void* stream_ptr, char* errbuf, int errlen) {
+  if (N < 128 || K < 128 || N % 128 || K % 128)
+    return write_err(errbuf, errlen, "fp8 weight [%d, %d]: both sizes must be positive multiples of 128", N, K);
+  if (ld < K || ld % 8) return write_err(errbuf, errlen, "fp8 weight: row stride %lld must be >= K and a multiple of 8", ld);
+  if (!w || !q || !s || w % 16 || q % 16)
+    return write_err(errbuf, errlen, "fp8 weight: null or not 16-byte aligned weight / output pointer");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  mok::mok_fp8_quantize_weight_kernel<<<dim3((unsigned)(K / 128), (unsigned)(N / 128)), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(w), ld, K, reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(s));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// MXFP8 rows (mxfp8_quant.cuh): the Blackwell recipe's quantiser as a unit, runnable on any arch
+// =================================================================================================
+extern "C" {
+
+// sf_layout: 0 row-major [M][H/32] bytes; 1 the sm_100 MMA's scale-factor layout (sf_bytes: its size,
+// rows padded to 128 and scales per row to 4 -- megatron_mok/mxfp8.py sm100_sf_bytes).
+int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, unsigned long long q,
+                            unsigned long long sf, long long sf_bytes, int sf_layout, int device, void* stream_ptr,
+                            char* errbuf, int errlen) {
+  if (M < 0 || H < 32 || H % 32)
+    return write_err(errbuf, errlen, "mxfp8 rows [%d, %d]: H must be a positive multiple of 32", M, H);
+  if (ld < H || ld % 8) return write_err(errbuf, errlen, "mxfp8 rows: row stride %lld must be >= H and a multiple of 8", ld);
+  if (sf_layout != mok::kMxScalesRowMajor && sf_layout != mok::kMxScalesSm100)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale layout %d is not 0 (row-major) or 1 (sm_100)", sf_layout);
+  const long long nkb = H / 32;
+  const long long need = sf_layout == mok::kMxScalesRowMajor ? (long long)M * nkb
+                                                             : (long long)((M + 127) / 128) * ((nkb + 3) / 4) * 512;
+  if (sf_bytes < need)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale buffer of %lld bytes, the layout needs %lld", sf_bytes, need);
+  if (M == 0) return 0;
+  if (!x || !q || !sf || x % 16 || q % 8)
+    return write_err(errbuf, errlen, "mxfp8 rows: null or misaligned pointer (x 16-byte, q 8-byte)");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  const int blocks = (int)std::min<long long>(((long long)M + 7) / 8, 65535);
+  mok::mok_mxfp8_quantize_rows_kernel<<<blocks, 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x), ld, M, H, reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(sf),
+      sf_layout);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"

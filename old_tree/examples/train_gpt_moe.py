@@ -1,0 +1,148 @@
+"""Train a small Megatron-Core GPT-MoE with ``mok`` and with Megatron's ``alltoall`` from one seed.
+
+Megatron-Core's own GPTModel (local spec, MoE in every layer), optimizer-free plain Adam on
+synthetic next-token data; prints both loss curves and their largest gap.
+
+    python examples/train_gpt_moe.py --ep 2 --steps 50          # CPU (gloo) or GPU (NCCL)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build_model(dispatcher: str, ep: int, args, device):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_mok.testing import make_portable_router, moe_transformer_config
+
+    cfg = moe_transformer_config(
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_experts=args.experts,
+        topk=args.topk,
+        ep_size=ep,
+        dispatcher=dispatcher,
+        num_layers=args.layers,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        dtype=args.torch_dtype,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    moe_sub = mlp.keywords["submodules"]
+    spec.submodules.mlp = type(mlp)(
+        mlp.func,
+        *mlp.args,
+        **{**mlp.keywords, "submodules": dataclasses.replace(moe_sub, router=make_portable_router())},
+    )
+    torch.manual_seed(args.seed)
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq,
+        position_embedding_type="rope",
+    )
+    if args.torch_dtype == torch.bfloat16:
+        # as Megatron's Float16Module: every parameter in bf16 (the norms are built in fp32; CUDA's
+        # layer_norm, unlike the CPU one, rejects bf16 activations with fp32 weights)
+        model = model.bfloat16()
+    return model.to(device)
+
+
+def train(rank: int, ws: int, args) -> None:
+    import megatron_mok
+    from megatron_mok.testing import install_cpu_alltoall_shim
+
+    warnings.filterwarnings("ignore")
+    megatron_mok.register()
+    install_cpu_alltoall_shim()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    curves, backends = {}, {}
+    for dispatcher in ("alltoall", "mok"):
+        model = build_model(dispatcher, ws, args, device)
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        gen = torch.Generator().manual_seed(args.seed + 17 * rank)  # same data for both runs
+        losses = []
+        for _ in range(args.steps):
+            tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+            tokens = (tokens % 7) * (args.vocab // 7) + tokens[:, :1] % 3  # learnable structure
+            inp, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+            pos = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
+            causal = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
+            loss = model(inp, pos, attention_mask=causal, labels=labels).float().mean()
+            opt.zero_grad()
+            loss.backward()
+            # expert-parallel DP: non-expert grads are averaged over the EP ranks (same as Megatron DDP)
+            if ws > 1:
+                for name, p in model.named_parameters():
+                    if p.grad is not None and "experts" not in name:
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= ws
+            opt.step()
+            losses.append(float(loss))
+        curves[dispatcher] = losses
+        param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
+        if dispatcher == "mok":
+            backends = sorted(
+                {m.token_dispatcher.last_backend for m in model.modules() if hasattr(m, "token_dispatcher")}
+            )
+    gap = max(abs(a - b) for a, b in zip(curves["alltoall"], curves["mok"]))
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "mok_backend": backends,
+                    "alltoall": curves["alltoall"][:: max(1, args.steps // 10)],
+                    "mok": curves["mok"][:: max(1, args.steps // 10)],
+                    "max_gap": gap,
+                }
+            )
+        )
+    if args.out:
+        with open(f"{args.out}.{rank}", "w") as f:
+            json.dump({**curves, "max_gap": gap, "mok_backend": backends, "param_dtypes": param_dtypes}, f)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ffn", type=int, default=32)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="write full loss curves to OUT.<rank> (json)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
+    args = p.parse_args(argv)
+    args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    from megatron_mok.testing import spawn
+
+    spawn(train, args.ep, args, backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+if __name__ == "__main__":
+    main()

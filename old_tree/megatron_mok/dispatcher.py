@@ -1,0 +1,184 @@
+"""``MoKTokenDispatcher``: Megatron-Core token dispatcher for ``moe_token_dispatcher_type="mok"``.
+
+Two modes:
+
+* **fused** (default with SwiGLU experts): the MoK layer calls :meth:`fused_experts`, which runs
+  dispatch, the expert FFN on Megatron's own expert weights, and combine as one operation
+  (the CUDA megakernel, or the PyTorch reference). ``token_dispatch``/``token_combine`` pass
+  tokens through untouched.
+* **unfused**: a plain Megatron dispatcher -- MoK's pull dispatch hands rows grouped per local
+  expert to any Megatron expert module, and MoK's push combine returns them. Used when the
+  experts are not a SwiGLU FFN MoK can fuse.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from .backend import select_backend
+from .config import MokConfig, resolve_config
+from .experts import expert_weights
+from .layout import ExpertLayout, compute_layout, topk_from_routing_map
+from .reference import MokPlan, PullRows, PushRows, RingSpec, mok_moe
+from .transport import ProcessGroupTransport, Transport
+
+logger = logging.getLogger(__name__)
+
+
+_CHECKED_GROUPS: set[int] = set()
+
+
+def _check_topology_once(group) -> None:
+    """All EP ranks must share one NVLink domain (a collective, once per group)."""
+    from .topology import check_ep_group
+
+    key = id(group)
+    if key not in _CHECKED_GROUPS:
+        check_ep_group(group)
+        _CHECKED_GROUPS.add(key)
+
+
+class MoKTokenDispatcher(MoETokenDispatcher):
+    """Pull-dispatch / push-combine token dispatcher of MoK (see module docstring)."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        if self.tp_size != 1:
+            raise ValueError(
+                f"MoK needs expert_tensor_parallel_size=1 (got {self.tp_size}): each expert lives whole on one rank"
+            )
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = list(local_expert_indices)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_moe_experts={self.num_experts} is not divisible by EP size {self.ep_size}")
+        expected = list(range(self.ep_rank * num_local_experts, (self.ep_rank + 1) * num_local_experts))
+        if self.local_expert_indices != expected:
+            raise ValueError(
+                f"MoK expects EP rank {self.ep_rank} to own experts {expected[0]}..{expected[-1]}, "
+                f"got {self.local_expert_indices}"
+            )
+        self.mok_config: MokConfig = resolve_config(config, self.ep_size)
+        if self.ep_size > 1:
+            _check_topology_once(self.ep_group)
+        self.fused = True
+        self._transport: Transport | None = None
+        self.cudagraph_attrs = ["topk_idx"]
+        # per-call state
+        self.hidden_shape: torch.Size | None = None
+        self.topk_idx: torch.Tensor | None = None
+        self.layout: ExpertLayout | None = None
+        self.last_plan: MokPlan | None = None
+        self.last_backend: str | None = None
+
+    # ---- helpers --------------------------------------------------------------------------
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = ProcessGroupTransport(self.ep_group)
+        return self._transport
+
+    @transport.setter
+    def transport(self, value: Transport) -> None:
+        self._transport = value
+
+    def _plan(self) -> MokPlan:
+        k = self.mok_config.kernel
+        return MokPlan(
+            transport=self.transport,
+            num_experts=self.num_experts,
+            ring=RingSpec(k.minibatch_tokens, k.ring_slots),
+            save_fc1_output=k.save_fc1_output,
+            save_expert_input=k.save_expert_input,
+            fuse_wgrad_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
+        )
+
+    # ---- MoETokenDispatcher interface ---------------------------------------------------------
+    def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """[S, B, H] tokens + dense routing -> [T, H] tokens and top-k weights [T, K] (local only)."""
+        self.hidden_shape = tokens.shape
+        if tokens.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"MoK input hidden size {tokens.shape[-1]} != config hidden_size {self.config.hidden_size}"
+            )
+        hidden = tokens.reshape(-1, tokens.shape[-1])
+        if routing_map.shape != (hidden.shape[0], self.num_experts):
+            raise ValueError(
+                f"routing_map shape {tuple(routing_map.shape)} != [tokens={hidden.shape[0]}, experts={self.num_experts}]"
+            )
+        idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
+        self.topk_idx = idx
+        return hidden, weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.fused:
+            return hidden_states, probs  # the fused op pulls inside the kernel
+        tp = self.transport
+        assert self.topk_idx is not None, "dispatch_preprocess must run before token_dispatch"
+        all_idx = tp.all_gather(self.topk_idx)
+        self.layout = compute_layout(all_idx, tp.rank, self.num_local_experts)
+        k = self.topk
+        rows = PullRows.apply(hidden_states, self.layout, tp, lambda t, _k: t)
+        flat_probs = probs.reshape(-1, 1)
+        permuted_probs = PullRows.apply(flat_probs, self.layout, tp, lambda t, kk: t * k + kk).reshape(-1)
+        self._num_tokens = hidden_states.shape[0]
+        return rows, permuted_probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.fused:
+            raise RuntimeError("MoKTokenDispatcher is in fused mode: the MoK layer runs the experts itself")
+        assert self.layout is not None
+        return hidden_states, self.layout.tokens_per_expert.cpu(), probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return hidden_states
+        assert self.layout is not None
+        dest = PushRows.apply(hidden_states, self.layout, self.transport, self.topk, self._num_tokens)
+        # Megatron's experts already scaled each row by its router weight: a plain top-k sum.
+        return dest.view(self._num_tokens, self.topk, -1).sum(1)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        assert self.hidden_shape is not None
+        return hidden_states.view(self.hidden_shape)
+
+    # ---- the fused path ----------------------------------------------------------------------
+    def fused_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, experts: torch.nn.Module):
+        """Dispatch + expert FFN + combine in one MoK operation; returns [T, H] (combined)."""
+        assert self.topk_idx is not None, "dispatch_preprocess must run before fused_experts"
+        # routing indices are validated by the backend: on the device by the kernel, on the host by the
+        # reference (a host check here would synchronise every layer call)
+        w1, w2 = expert_weights(experts)
+        plan = self._plan()
+        k = self.mok_config.kernel
+        backend = select_backend(
+            hidden_states.device,
+            self.transport.world_size,
+            k.dtype,
+            hidden_states.dtype,
+            comm_sms=k.comm_sms,
+            timeout_ms=k.timeout_ms,
+            backward_comm_sms=k.bwd_comm_sms,
+            owner_capacity_factor=k.owner_capacity_factor,
+            backward_minibatch_tokens=k.bwd_minibatch_tokens,
+        )
+        out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
+        self.last_plan = plan
+        if backend.name != self.last_backend:  # once per layer and backend change: which path trains
+            logger.info("MoK layer: %s backend (EP %d, %s)", backend.name, self.transport.world_size, k.dtype)
+        self.last_backend = backend.name
+        return out

@@ -1,0 +1,52 @@
+"""Reading expert weights out of Megatron's own expert modules.
+
+MoK runs the expert FFN inside its kernel but leaves the weights where Megatron keeps them
+(``SequentialMLP.local_experts[i].linear_fc{1,2}.weight`` or ``TEGroupedMLP.linear_fc{1,2}.weight{i}``),
+so state dicts and checkpoints are exactly those of the ``alltoall`` dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_unsupported_reason(config: Any, experts: torch.nn.Module) -> str | None:
+    """Why the fused MoK path cannot run these experts (None: it can)."""
+    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not F.silu:
+        return "the MoK expert FFN is SwiGLU: set gated_linear_unit=True with activation_func=silu (--swiglu)"
+    if getattr(config, "add_bias_linear", False):
+        return "the MoK expert FFN has no biases: set add_bias_linear=False (--disable-bias-linear)"
+    if getattr(config, "moe_apply_probs_on_input", False):
+        return "moe_apply_probs_on_input is not supported by the fused MoK path"
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        return "Megatron fp8/fp4 recipes are not used by MoK; select the MoK fp8 path with kernel.dtype: fp8"
+    if getattr(config, "moe_latent_size", None):
+        return "latent MoE projections are not supported by the fused MoK path"
+    try:
+        expert_weights(experts)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+def expert_weights(experts: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(fc1 weights [2F, H], fc2 weights [H, F]) of the local experts, in local order."""
+    local = getattr(experts, "local_experts", None)
+    if local is not None:  # SequentialMLP
+        w1 = [e.linear_fc1.weight for e in local]
+        w2 = [e.linear_fc2.weight for e in local]
+        return w1, w2
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    n = getattr(experts, "num_local_experts", None)
+    if fc1 is not None and fc2 is not None and n is not None:  # TEGroupedMLP
+        if getattr(fc1, "single_grouped_weight", False):
+            raise TypeError("TEGroupedMLP with a single grouped weight tensor is not supported yet by MoK")
+        w1 = [getattr(fc1, f"weight{i}") for i in range(n)]
+        w2 = [getattr(fc2, f"weight{i}") for i in range(n)]
+        return w1, w2
+    raise TypeError(
+        f"MoK cannot read expert weights from {type(experts).__name__}; supported: SequentialMLP, TEGroupedMLP"
+    )

@@ -1,0 +1,131 @@
+"""FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
+of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, and the block-scaled
+grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``), and of the FP8 dgrad still to be built
+(``fp8_expert_ffn_backward``).
+
+* activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
+  kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);
+* weights: one fp32 scale per 128 x 128 block;
+* GEMMs accumulate in fp32, the scale of each 128-wide K block applied to its partial sum; outputs bf16.
+
+Scales map each block's absolute maximum to the e4m3 maximum (448), so no value saturates:
+``scale = max(amax * fp32(1 / 448), 1e-12)`` and ``q = e4m3(x * (1 / scale))`` (round to nearest even), all in
+fp32 -- the kernel computes exactly this, so its quantised rows are bit-identical to these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+E4M3_MAX = 448.0
+_TINY = 1e-12  # all-zero blocks get a tiny scale instead of a division by zero
+# amax * fp32(1/448), not amax / 448: torch's CUDA division by a scalar multiplies by the reciprocal
+# while the CPU divides, so this is the one form that is the same bits on CPU, GPU and in the kernels
+_INV_MAX = 1.0 / E4M3_MAX
+
+
+def _check_blocks(t: torch.Tensor, name: str, dims: tuple[int, ...]) -> None:
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    for d in dims:
+        if t.shape[d] % BLOCK:
+            raise ValueError(f"{name}: dimension {d} of shape {tuple(t.shape)} must be a multiple of {BLOCK}")
+
+
+def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (e4m3 [T, H], fp32 scales [T, H / 128]) with x ~= q * scale (per 1 x 128 block)."""
+    if x.dim() != 2:
+        raise ValueError(f"activations must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    _check_blocks(x, "activations", (1,))
+    T, H = x.shape
+    blocks = x.float().view(T, H // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(dim=2) * _INV_MAX).clamp_min(_TINY)
+    q = (blocks * torch.reciprocal(scale).unsqueeze(2)).to(torch.float8_e4m3fn).view(T, H)
+    return q, scale
+
+
+def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 [N, K], fp32 scales [N / 128, K / 128]) with w ~= q * scale (per block)."""
+    if w.dim() != 2:
+        raise ValueError(f"weights must be 2-D [out, in], got shape {tuple(w.shape)}")
+    _check_blocks(w, "weights", (0, 1))
+    N, K = w.shape
+    blocks = w.float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) * _INV_MAX).clamp_min(_TINY)
+    q = (blocks * torch.reciprocal(scale)[:, None, :, None]).to(torch.float8_e4m3fn).view(N, K)
+    return q, scale
+
+
+def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(BLOCK, dim=1)
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
+
+
+def fp8_linear(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """fp32 y = x @ w^T from block-scaled operands, one K block at a time (the kernel's order)."""
+    T, K = xq.shape
+    N = wq.shape[0]
+    if wq.shape[1] != K:
+        raise ValueError(f"fp8_linear: x has K={K}, w has K={wq.shape[1]}")
+    y = torch.zeros((T, N), dtype=torch.float32, device=xq.device)
+    ws_rows = ws.repeat_interleave(BLOCK, dim=0)  # [N, K / 128]
+    for kb in range(K // BLOCK):
+        sl = slice(kb * BLOCK, (kb + 1) * BLOCK)
+        part = xq[:, sl].float() @ wq[:, sl].float().t()  # exact products of e4m3 values, fp32 sum
+        y += part * xs[:, kb : kb + 1] * ws_rows[:, kb].unsqueeze(0)
+    return y
+
+
+def fp8_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert's fc1 -> SwiGLU -> fc2 with the FP8 recipe; x [T, H], w1 [2F, H], w2 [H, F]; bf16 out."""
+    F = w2.shape[1]
+    xq, xs = quantize_act_1x128(x)
+    w1q, w1s = quantize_weight_128x128(w1)
+    h = fp8_linear(xq, xs, w1q, w1s)
+    act = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    aq, as_ = quantize_act_1x128(act)  # fused into the SwiGLU epilogue in the kernel
+    w2q, w2s = quantize_weight_128x128(w2)
+    return fp8_linear(aq, as_, w2q, w2s).to(torch.bfloat16)
+
+
+def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
+    """dH [T, 2F] of act = silu(g) * u for h = [g | u] [T, 2F], from d_act [T, F] (fp32)."""
+    F = h.shape[1] // 2
+    g, u = h[:, :F].float(), h[:, F:].float()
+    sg = torch.sigmoid(g)
+    d_gate = d_act * u * sg * (1.0 + g * (1.0 - sg))
+    d_up = d_act * g * sg
+    return torch.cat([d_gate, d_up], dim=1)
+
+
+def fp8_expert_ffn_backward(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dx [T, H], dw1 [2F, H], dw2 [H, F], fp32) of ``fp8_expert_ffn`` for the output
+    gradient gy [T, H], with the FP8 recipe the backward kernel is to follow (scripts/NOTES-fp8.md):
+
+    * dgrad in FP8: dA = gy @ W2 and dX = dH @ W1 quantise gy / dH per 1 x 128 block along their K
+      (H / 2F) and read the weights transposed. A 128 x 128 block quantisation of W^T is the transpose
+      of W's (same blocks, same amax), so W^T's e4m3 copy and scales are ``wq.t()`` / ``ws.t()``;
+    * the SwiGLU backward in fp32 from the forward's fc1 output h;
+    * wgrad (token dimension as K) from bf16 operands in fp32: dW2 = gy^T act, dW1 = dH^T x.
+    """
+    F = w2.shape[1]
+    xq, xs = quantize_act_1x128(x)
+    w1q, w1s = quantize_weight_128x128(w1)
+    w2q, w2s = quantize_weight_128x128(w2)
+    h = fp8_linear(xq, xs, w1q, w1s)  # forward fc1, as fp8_expert_ffn
+    act = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    gyq, gys = quantize_act_1x128(gy)
+    d_act = fp8_linear(gyq, gys, w2q.t().contiguous(), w2s.t().contiguous())  # [T, F] = gy @ W2
+    dh = swiglu_backward(h, d_act)
+    dhq, dhs = quantize_act_1x128(dh)
+    dx = fp8_linear(dhq, dhs, w1q.t().contiguous(), w1s.t().contiguous())  # [T, H] = dH @ W1
+    bf = torch.bfloat16
+    dw2 = gy.to(bf).float().t() @ act.to(bf).float()
+    dw1 = dh.to(bf).float().t() @ x.to(bf).float()
+    return dx, dw1, dw2

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Host time of one MoK forward call, by part (H200 or any CUDA GPU): what a per-call CUDA-event timing
+adds to the layer's device time while the GPU waits for the launch.
+
+For each slice of scripts/bench_fp8.py (Kimi-K2 L=8, DeepSeek-V3 L=32) and kernel (bf16, fp8) it prints
+the median microseconds of the whole call and of its parts: the Python argument checks (_validate), the
+expert-weight pointer tables (set_expert_weights, which checks FP8 weights), the library's launcher (tensor
+maps, staging upload, zeroing, the cooperative launch) and the rest (allocations, ctypes structs).
+    python scripts/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_common import make_inputs  # noqa: E402
+from bench_fp8 import SHAPES  # noqa: E402
+
+
+class PartTimer:
+    """Wraps callables and sums their wall time per call of the outer function."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.acc[name] = self.acc.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+
+def measure(fn, timer: PartTimer, calls: int) -> dict[str, float]:
+    per: dict[str, list[float]] = {}
+    for _ in range(calls):
+        torch.cuda.synchronize()  # the GPU idle, as in a per-call timing
+        timer.acc.clear()
+        t0 = time.perf_counter()
+        fn()
+        total = time.perf_counter() - t0
+        parts = dict(timer.acc)
+        parts["rest"] = total - sum(parts.values())
+        parts["total"] = total
+        for k, v in parts.items():
+            per.setdefault(k, []).append(v * 1e6)
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in per.items()}
+
+
+def shape_overheads(name: str, args, timer: PartTimer) -> list[dict]:
+    import megatron_mok.kernel as mk
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    H, F, K, L, T = SHAPES[name]
+    x, idx, w, w1, w2 = make_inputs(H, F, K, L, T)
+    w1l, w2l = [[w1[e] for e in range(L)]], [[w2[e] for e in range(L)]]
+    q8 = quantize_expert_weights(w1l, w2l)
+    kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch, check=False)
+    out = []
+    for kind, extra in (("bf16", {}), ("fp8", {"fp8": q8})):
+
+        def fn(extra=extra):
+            return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra)
+
+        for _ in range(3):
+            fn()
+        mk.check_last_error()
+        got = measure(fn, timer, args.calls)
+        parts = " | ".join(f"{k} {v:7.1f}" for k, v in got.items() if k != "total")
+        print(f"{name:5s} L={L:3d} {kind:4s}: host {got['total']:7.1f} us per call = {parts} (us, medians)", flush=True)
+        out.append({"shape": name, "L": L, "kind": kind, **got})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="kimi,dsv3")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--comm-sms", type=int, default=0)
+    ap.add_argument("--minibatch", type=int, default=4096)
+    ap.add_argument("--ring-slots", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import megatron_mok.kernel as mk
+    import megatron_mok.kernel.emulated as em
+
+    if not mk.is_available():
+        print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
+        return 1
+    timer = PartTimer()
+    em._validate = timer.wrap("validate", em._validate)
+    em.set_expert_weights = timer.wrap("expert_weights", em.set_expert_weights)
+    lib = em.load_library()
+    lib.mok_forward_emulated_launch = timer.wrap("launcher", lib.mok_forward_emulated_launch)
+    lib.mok_workspace_bytes = timer.wrap("launcher", lib.mok_workspace_bytes)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    out: list[dict] = []
+    for name in args.shapes.split(","):
+        out += shape_overheads(name, args, timer)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+# Megatron warns at import about missing TE/Apex/absl on CPU machines; not our concern here.
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+warnings.filterwarnings("ignore", message=".*absl.*")
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (sm_90a) and the built MoK kernel")
+    config.addinivalue_line("markers", "nvcc: needs nvcc and the CUTLASS headers (compiles, runs nothing)")
+    config.addinivalue_line("markers", "slow: multi-process tests that take more than a few seconds")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on the H200 (scripts/run_gpu_suite.sh)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

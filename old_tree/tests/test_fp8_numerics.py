@@ -1,0 +1,139 @@
+"""CPU: the FP8 block-scaled recipe (oracle of the future FP8 kernel path) and its error bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok import fp8
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_block_scales_shapes_and_round_trip():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 512, generator=g) * torch.logspace(-3, 3, 512)  # very different block ranges
+    q, s = fp8.quantize_act_1x128(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 4)
+    assert float(q.float().abs().max()) <= fp8.E4M3_MAX  # no saturation
+    assert _rel(fp8.dequantize_act(q, s), x) < 0.04  # e4m3 has 3 mantissa bits: ~2^-4 relative
+    w = torch.randn(256, 384, generator=g)
+    wq, ws = fp8.quantize_weight_128x128(w)
+    assert ws.shape == (2, 3)
+    assert _rel(fp8.dequantize_weight(wq, ws), w) < 0.04
+    zq, zs = fp8.quantize_act_1x128(torch.zeros(2, 128))
+    assert torch.isfinite(zs).all() and float(zq.float().abs().sum()) == 0.0
+
+
+def test_fp8_linear_equals_dequantized_matmul():
+    g = torch.Generator().manual_seed(1)
+    xq, xs = fp8.quantize_act_1x128(torch.randn(32, 256, generator=g))
+    wq, ws = fp8.quantize_weight_128x128(torch.randn(128, 256, generator=g))
+    want = fp8.dequantize_act(xq, xs) @ fp8.dequantize_weight(wq, ws).t()
+    assert _rel(fp8.fp8_linear(xq, xs, wq, ws), want) < 1e-6
+
+
+def test_fp8_expert_ffn_error_vs_fp32_is_bounded():
+    g = torch.Generator().manual_seed(2)
+    H, F = 512, 256
+    x = torch.randn(200, H, generator=g)
+    w1 = torch.randn(2 * F, H, generator=g) / H**0.5
+    w2 = torch.randn(H, F, generator=g) / F**0.5
+    h = x @ w1.t()
+    ref = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2.t()
+    err = _rel(fp8.fp8_expert_ffn(x, w1, w2), ref)
+    assert 1e-3 < err < 0.08, err  # really quantized, and within the recipe's expected error
+
+
+def test_bad_shapes_are_clear_errors():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.quantize_act_1x128(torch.randn(4, 100))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.quantize_weight_128x128(torch.randn(100, 128))
+    with pytest.raises(TypeError, match="floating"):
+        fp8.quantize_act_1x128(torch.ones(4, 128, dtype=torch.int32))
+
+
+def test_fp8_weight_cache_follows_optimizer_steps_through_param_data():
+    """Megatron writes updated weights through ``param.data`` (no version bump): the cache must still
+    re-quantise after an optimizer step, and keep its copy between steps (micro-batches)."""
+    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+
+    p = torch.nn.Parameter(torch.randn(128, 256))
+    cache = Fp8WeightCache()
+    q0, s0 = cache.get(p)
+    assert cache.get(p)[0] is q0  # unchanged: one quantisation per step
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()  # the global step post-hook invalidates the cache
+    q1, _ = cache.get(p)
+    assert q1 is not q0
+    torch.testing.assert_close(q1.float(), fp8.quantize_weight_128x128(p.detach())[0].float())
+    with torch.no_grad():
+        p.data.copy_(torch.randn(128, 256))  # Megatron-style update: p._version does not move ...
+    assert cache.get(p)[0] is q1  # ... so without a step the cache cannot see it: weights_changed() says so
+    weights_changed()
+    q2, s2 = cache.get(p)
+    assert q2 is not q1
+    torch.testing.assert_close(s2, fp8.quantize_weight_128x128(p.detach())[1])
+
+
+def test_block_quantisation_of_the_transpose_is_the_transposed_quantisation():
+    """What lets the FP8 dgrad read W^T without re-quantising: same 128 x 128 blocks, same scales."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 384, generator=g) * torch.logspace(-2, 2, 384)
+    q, s = fp8.quantize_weight_128x128(w)
+    qt, st = fp8.quantize_weight_128x128(w.t().contiguous())
+    assert torch.equal(st, s.t()) and torch.equal(qt.float(), q.float().t())
+
+
+def test_fp8_expert_ffn_backward_error_vs_fp32_autograd_is_bounded():
+    g = torch.Generator().manual_seed(4)
+    H, F, T = 512, 256, 300
+    x = torch.randn(T, H, generator=g).requires_grad_()
+    w1 = (torch.randn(2 * F, H, generator=g) / H**0.5).requires_grad_()
+    w2 = (torch.randn(H, F, generator=g) / F**0.5).requires_grad_()
+    gy = torch.randn(T, H, generator=g)
+    h = x @ w1.t()
+    y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2.t()
+    y.backward(gy)
+    dx, dw1, dw2 = fp8.fp8_expert_ffn_backward(x.detach(), w1.detach(), w2.detach(), gy)
+    for name, got, want in (("dx", dx, x.grad), ("dw1", dw1, w1.grad), ("dw2", dw2, w2.grad)):
+        err = _rel(got, want)
+        assert err < 0.12, f"{name}: rel err {err:.3e}"
+    assert _rel(dx, x.grad) > 1e-3  # dgrad really quantised
+
+
+def test_swiglu_backward_matches_autograd():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(7, 256, generator=g, dtype=torch.float64).requires_grad_()
+    d = torch.randn(7, 128, generator=g, dtype=torch.float64)
+    (torch.nn.functional.silu(h[:, :128]) * h[:, 128:]).backward(d)
+    torch.testing.assert_close(fp8.swiglu_backward(h.detach(), d).double(), h.grad)
+
+
+def test_fp8_expert_set_is_handed_back_until_a_weight_or_a_step_changes():
+    """Fp8WeightCache.experts keeps its whole answer for the same weights; any change asks again."""
+    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+
+    w1 = [[torch.randn(256, 128) for _ in range(2)]]
+    w2 = [[torch.randn(128, 128) for _ in range(2)]]
+    cache = Fp8WeightCache()
+    a = cache.experts(w1, w2)
+    assert cache.experts([list(w1[0])], [list(w2[0])]) is a  # new lists, same tensors: the same answer
+    t = cache.experts(w1, w2, transposed=True)
+    assert t is not a and t.w1tq is not None and cache.experts(w1, w2, transposed=True) is t
+    weights_changed()  # an optimizer step
+    b = cache.experts(w1, w2)
+    assert b is not a
+    with torch.no_grad():
+        w2[0][1].add_(1.0)  # an in-place update outside a step: its version moves
+    c = cache.experts(w1, w2)
+    assert c is not b and c.w1q[0][0] is b.w1q[0][0]  # only the changed weight was quantised again
+    torch.testing.assert_close(c.w2s[0][1], fp8.quantize_weight_128x128(w2[0][1])[1])
+    w1[0][0] = torch.randn(256, 128)  # another tensor
+    d = cache.experts(w1, w2)
+    assert d is not c
+    torch.testing.assert_close(d.w1s[0][0], fp8.quantize_weight_128x128(w1[0][0])[1])
