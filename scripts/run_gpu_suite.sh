@@ -10,17 +10,9 @@
 #      --ab-env MOK_FP8_ISSUE_ORDER=2 --ab-env-kinds fp8").
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_logs}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    2>&1 | tail -3
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export MOK_CACHE_DIR="${MOK_CACHE_DIR:-/tmp/mok_cache}"
+# shellcheck source=scripts/device_env.sh
+. scripts/device_env.sh
+export PYTHONPATH="$MOK_SITE$PWD"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1 | tee "$OUT/gpu.txt"
 echo "== build"
 python3 - <<'PY' 2>&1 | tee "$OUT/build.log"

@@ -12,17 +12,8 @@
 #      OUT           log directory (default ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_logs}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    2>&1 | tail -3
-  SITE=/tmp/site:
-else
-  SITE=
-fi
-export MOK_CACHE_DIR="${MOK_CACHE_DIR:-/tmp/mok_cache}"
+# shellcheck source=scripts/device_env.sh
+. scripts/device_env.sh
 DEFAULT_SPECS="fp8-order1|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=1;\
 fp8-order2|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=2;\
 fp8-cluster2|kimi-k2-fp8|fp8|MOK_CLUSTER=2;\
@@ -42,7 +33,7 @@ run_one() {
   nvidia-smi --query-gpu=clocks.sm,power.draw --format=csv,noheader,nounits -lms 50 >"$smi" 2>/dev/null &
   local smi_pid=$!
   # shellcheck disable=SC2086  # the env assignments are meant to split into words
-  (cd "$tree" && env $envs MOK_CACHE_DIR="$cache" PYTHONPATH="$SITE$PWD" timeout 150 \
+  (cd "$tree" && env $envs MOK_CACHE_DIR="$cache" PYTHONPATH="$MOK_SITE$PWD" timeout 150 \
     python3 scripts/timeline.py --config "$config" --dtype "$dtype" --out "$OUT/tl-$label") >"$OUT/tl-$label.log" 2>&1
   local rc=$?
   kill "$smi_pid" 2>/dev/null

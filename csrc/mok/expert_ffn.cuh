@@ -100,6 +100,29 @@ __device__ __forceinline__ float silu_tanh_f(float g) {
   return g * fmaf(0.5f, t, 0.5f);
 }
 
+// The weight maps of a kind-1 (fc1) or kind-2 (fc2) tile of expert g, fetched while the tile waits for its
+// dependency and for a free stage.
+__device__ __forceinline__ void prefetch_tile_maps(const Params& P, int g, int kind) {
+  if (kind == 1) {
+    tma_prefetch_desc(tmap_gate(P, g));
+    tma_prefetch_desc(tmap_up(P, g));
+  } else if (kind == 2) {
+    tma_prefetch_desc(tmap_w2(P, g));
+  }
+}
+
+// The dependency of a kind-1 (fc1) tile of minibatch mb -- its rows pulled -- or of a kind-2 (fc2) tile of row
+// block mt -- that row block's fc1 tiles done. False on an abort (error recorded by the waiter).
+__device__ __forceinline__ bool wait_tile_inputs(const Params& P, int q, int kind, int mb, int mt) {
+  const int s = mb % P.ring_slots;
+  if (kind == 1)  // from the second round on a slot's dispatch waits for its previous combine: a stall
+                  // upstream is reported by that round's own waiters first (secondary, slack 2)
+    return wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady,
+                            mb >= P.ring_slots ? 2 : 1);
+  return wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)(kConsumerWGs * P.nt1), q, s, kPhaseFc1Done,
+                          2);  // secondary: a stalled dispatch is reported by its own waiters first
+}
+
 // The producer hands tile ti to its consumers (2-deep tile-info ring).
 __device__ __forceinline__ void publish_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int& ii,
                                              uint32_t& iph) {
@@ -214,21 +237,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       }
       const int e = sg % L;  // segment sg runs local expert sg % L
       const int lrow0 = P.macrobatches > 1 ? sm.lrow[sg] + (row0 - sm.off[sg]) : row0;
-      // the tile's weight maps, fetched while it waits for its dependency and for a free stage
-      if (kind == 1) {
-        tma_prefetch_desc(tmap_gate(P, q * L + e));
-        tma_prefetch_desc(tmap_up(P, q * L + e));
-      } else {
-        tma_prefetch_desc(tmap_w2(P, q * L + e));
-      }
-      bool ok;
-      if (kind == 1)  // from the second round on a slot's dispatch waits for its previous combine: a stall
-                      // upstream is reported by that round's own waiters first (secondary, slack 2)
-        ok = wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
-      else
-        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, mt), (unsigned)(kConsumerWGs * P.nt1), q, s,
-                              kPhaseFc1Done, 2);  // secondary: a stalled dispatch is reported by its own waiters first
-      if (!ok) break;  // abort: publish exit
+      prefetch_tile_maps(P, q * L + e, kind);
+      if (!wait_tile_inputs(P, q, kind, mb, mt)) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
       ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a; ti.lrow0 = lrow0;
@@ -290,22 +300,10 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
       }
     }
     const int e = pu.seg % L;
-    if (kind == 1) {  // the tile's weight maps, fetched while it waits for its dependency
-      tma_prefetch_desc(tmap_gate(P, q * L + e));
-      tma_prefetch_desc(tmap_up(P, q * L + e));
-    } else if (kind == 2) {
-      tma_prefetch_desc(tmap_w2(P, q * L + e));
-    }
+    prefetch_tile_maps(P, q * L + e, kind);
     if (crank == 0) {  // the dependencies of both tiles; the verdict goes to the follower with the ticket
-      bool ok = kind != 0;
-      if (kind == 1) {
-        ok = wait_counter_geq(P, ctr_ready(P, q, mb), ready_target(P, mb), q, s, kPhaseDispatchReady, j > 0 ? 2 : 1);
-      } else if (kind == 2) {
-        const unsigned need = (unsigned)(kConsumerWGs * P.nt1);
-        ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, pu.mt[0]), need, q, s, kPhaseFc1Done, 2);
-        if (ok && pu.mt[1] != pu.mt[0])
-          ok = wait_counter_geq(P, ctr_fc1_done(P, q, mb, pu.mt[1]), need, q, s, kPhaseFc1Done, 2);
-      }
+      bool ok = kind != 0 && wait_tile_inputs(P, q, kind, mb, pu.mt[0]);
+      if (ok && kind == 2 && pu.mt[1] != pu.mt[0]) ok = wait_tile_inputs(P, q, kind, mb, pu.mt[1]);
       go = ok ? 1 : 0;
       ticket_send(P, sm.box, n, tk, go, q);
     } else if (go && kind != 0) {

@@ -17,18 +17,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import ground_truth, make_backward_case, make_experts, make_routing, rel_err  # noqa: E402
+from mok_truth import ground_truth, make_backward_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    import megatron_mok.kernel as k
-
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
-    return k
 
 
 def _launch(kernel, monkeypatch, cluster, *args, env=(), **kw):
@@ -194,14 +185,7 @@ def test_cluster_pairs_timeline(kernel, monkeypatch):
 def test_cluster_pairs_stall_times_out_and_recovers(kernel, monkeypatch):
     """An abort while the pairs run: the leader sends "exit" to its follower, both pipelines end at the same
     unit, no CTA waits for a partner that left (that would trap and lose the context)."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev)
-    gen.manual_seed(3)
-    R, L, H, F, K = 2, 4, 256, 128, 2
-    x = [torch.randn((600, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
-    rt = [make_routing(600, K, R * L, "uniform", dev, gen) for _ in range(R)]
-    w1, w2 = make_experts(R, L, H, F, dev, gen)
-    args = (x, [a for a, _ in rt], [b for _, b in rt], w1, w2)
+    *args, _ = make_backward_case(2, 4, 256, 128, 2, [600, 600], "uniform", seed=3)
     for comm, slot in ((2, 1), (0, 0), (0, 1)):
         with pytest.raises(kernel.MokKernelError, match=rf"timed out: rank 1 slot {slot}"):
             _launch(

@@ -20,15 +20,6 @@ from mok_truth import make_backward_case  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    import megatron_mok.kernel as k
-
-    if not k.is_available():
-        pytest.skip(f"MoK kernel unavailable: {k.unavailable_reason()}")
-    return k
-
-
 def _launch(kernel, monkeypatch, B, x, idx, wts, w1, w2, **kw):
     monkeypatch.setenv("MOK_MACROBATCHES", str(B))
     try:
