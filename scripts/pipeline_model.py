@@ -1439,9 +1439,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="campaign seed (run r uses seed * 1000003 + r)")
     ap.add_argument("--single", action="store_true", help="one CTA (ffn_producer, no passes) instead of a cluster")
     ap.add_argument("--dtype", choices=["bf16", "fp8", "mixed"], default="mixed")
-    ap.add_argument(
-        "--order", type=int, choices=[0, 1, 2, 3], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)"
-    )
+    ap.add_argument("--order", type=int, choices=[0, 1, 2, 3], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)")
     ap.add_argument(
         "--policy", default=None, help="one of " + ", ".join(POLICIES) + " or starve:NAME,... (default: rotate)"
     )
