@@ -19,8 +19,7 @@ flow is a line-by-line port; each agent's code follows:
                   lt == 0, which also releases stages, arrives on info_empty and leads skip_kloop)
                   expert_ffn.cuh: ffn_consumer (the bf16 K loop is inline there), skip_kloop,
                   release_stage, compute_role's tail (cluster_arrive / cluster_wait, named_bar_sync(1, 256))
-                  fp8_kloop.cuh: ffn_kloop_fp8 (issued: order 1 after issue, 2 / 3 after landing; landed:
-                  order 3, the second warpgroup after landing)
+                  fp8_kloop.cuh: ffn_kloop_fp8 (issued: order 1 after issue, order 2 after landing)
                   deferred_release.cuh: DeferredActRelease::before_wait / flush / hold (named barriers)
   R{c}          warps 1-3 of WG0: compute_role's cluster_arrive_relaxed (at once); warp 0's other lanes arrive
                 with the producer once it is done (the cluster barrier counts whole warps on sm_90)
@@ -42,9 +41,8 @@ Checks (a violation is reported with the step it happened at and, with --show, t
   (c) every mbarrier wait catches exactly the phase its use of the barrier means (stale / lapped passes),
       no mbarrier is arrived on past its count, and a WGMMA group launches on a stage holding exactly its
       use's 48 KB;
-  (d) issue order 1 / 2 / 3: the second warpgroup's group on a stage use launches only after all four warps
-      of the first warpgroup arrived on issued[] for that use; order 3: the first warpgroup's group of K
-      block kb > 0 only after the second's warps arrived on landed[] for block kb-1;
+  (d) issue order 1 / 2: the second warpgroup's group on a stage use launches only after all four warps of
+      the first warpgroup arrived on issued[] for that use;
   (e) mailbox messages and tile infos are read exactly once and in order, never overwritten unread.
 
 Not modelled (abstractions):
@@ -103,7 +101,6 @@ STAGE_KB = A_KB + 2 * HALF_KB  # kStageBytes
 MUTANTS: dict[str, str] = {
     "skip_per_warp": "skip_kloop as before 91be0f3: every warp waits on full[st] itself, lane 0 arrives once on issued",
     "no_pass_issued": "a pass tile does not move the issue-order barriers on (the bug a9b8d05 fixed)",
-    "no_back_signal": "issue order 3: the second warpgroup never arrives on landed[] in the K loop",
     "no_remote_release": "release_stage arrives only on its own CTA's empty barrier",
     "no_multicast_peer": "a shared weight half is loaded into the issuing CTA only",
     "empty2": "clustered empty barriers count 2 (one CTA's warpgroups) instead of 4",
@@ -354,7 +351,6 @@ class Smem:
         self.full = [Bar(world, f"c{c}.full[{i}]", 1) for i in range(KSTAGES)]
         self.empty = [Bar(world, f"c{c}.empty[{i}]", empty_count) for i in range(KSTAGES)]
         self.issued = [Bar(world, f"c{c}.issued[{i}]", 4) for i in range(KSTAGES)]
-        self.landed = [Bar(world, f"c{c}.landed[{i}]", 4) for i in range(KSTAGES)]  # issue order 3
         self.info_full = [Bar(world, f"c{c}.info_full[{i}]", 1) for i in range(2)]
         self.info_empty = [Bar(world, f"c{c}.info_empty[{i}]", 2) for i in range(2)]
         self.info: list[Info | None] = [None, None]
@@ -449,7 +445,6 @@ class World:
         self.released = [[[0] * KSTAGES for _ in range(2)] for _ in range(C)]  # uses released per warpgroup
         self.fills = [[0] * KSTAGES for _ in range(C)]  # uses the producer started per stage
         self.iss_arr = [[[0] * KSTAGES for _ in range(4)] for _ in range(C)]  # issued arrivals per wg0 warp
-        self.land_arr = [[[0] * KSTAGES for _ in range(4)] for _ in range(C)]  # landed arrivals per wg1 warp
         self.groups: list[list[list[Group]]] = [[[] for _ in range(2)] for _ in range(C)]
         self.landed = [[0, 0] for _ in range(C)]
         self.tma: list[Load] = []
@@ -863,27 +858,6 @@ class World:
         self.sm[c].issued[st].arrive(("w", tuple(ws), use), count=len(ws))
         self.log(f"arrive issued[{st}] x{len(ws)} (use {use})")
 
-    def arrive_landed(self, a: Agent, st: int, use: int, warps: Iterable[int]) -> None:
-        """Arrivals on landed[st] (issue order 3) standing for the given warps of the second warpgroup."""
-        c = a.cta
-        ws = list(warps)
-        for w in ws:
-            self.land_arr[c][w][st] += 1
-            if self.land_arr[c][w][st] != use + 1:
-                self.violate(
-                    "landed_arrival_count",
-                    f"{a.name} arrives on landed[{st}] for warp {w} use {use}, its count {self.land_arr[c][w][st]}",
-                )
-        self.sm[c].landed[st].arrive(("w", tuple(ws), use), count=len(ws))
-        self.log(f"arrive landed[{st}] x{len(ws)} (use {use})")
-
-    def arrive_order(self, a: Agent, st: int, use: int, warps: Iterable[int]) -> None:
-        """The issue-order barrier of this warp's warpgroup (fp8_order_barriers): wg0 issued, wg1 landed."""
-        if a.wgc == 0:
-            self.arrive_issued(a, st, use, warps)
-        else:
-            self.arrive_landed(a, st, use, warps)
-
     def act_flush(self, a: Agent, held: bool, wg_bar: NamedBar, what: str) -> Proc[bool]:
         """DeferredActRelease::flush: the warpgroup's named barrier if a release is held."""
         if held:
@@ -902,7 +876,7 @@ class World:
             if lead:
                 yield from self.wait(a, s.full[st], ph, u + 1, "full(skip)")
                 if issued:
-                    self.arrive_order(a, st, u, range(4))
+                    self.arrive_issued(a, st, u, range(4))
                     yield None
                 self.release_stage(a, st, u)
                 yield None
@@ -921,7 +895,7 @@ class World:
             u = uses[st]
             yield from self.wait(a, s.full[st], ph, u + 1, "full(skip)")
             if issued:
-                self.arrive_order(a, st, u, [a.warp])
+                self.arrive_issued(a, st, u, [a.warp])
                 yield None
             if a.warp == 0:
                 self.release_stage(a, st, u)
@@ -965,19 +939,14 @@ class World:
         cfg, s, wgc = self.cfg, self.sm[a.cta], a.wgc
         assert a.warp is not None
         issued = cfg.order != 0
-        signal_issue = issued and wgc == 0 and cfg.order == 1
-        signal_landing = issued and wgc == 0 and cfg.order >= 2
-        signal_back = cfg.order == 3 and wgc == 1 and cfg.mutant != "no_back_signal"
-        wait_back = cfg.order == 3 and wgc == 0
-        prev, prev_use, prev_ph = 0, -1, 0
+        signal_issue = issued and wgc == 0 and cfg.order != 2
+        signal_landing = issued and wgc == 0 and cfg.order == 2
+        prev, prev_use = 0, -1
         for kb in range(nk):
             if kb > 0:
                 yield from self.wgmma_wait(a, 0)
                 if signal_landing:
                     self.arrive_issued(a, prev, prev_use, [a.warp])
-                    yield None
-                if signal_back:
-                    self.arrive_landed(a, prev, prev_use, [a.warp])
                     yield None
                 if a.warp == 0:
                     self.release_stage(a, prev, prev_use)
@@ -986,10 +955,6 @@ class World:
             yield from self.wait(a, s.full[st], ph, u + 1, "full")
             if issued and wgc == 1:
                 yield from self.wait(a, s.issued[st], ph, u + 1, "issued")
-            if wait_back and kb > 0:  # order 3: after the second warpgroup's block kb-1 landed
-                yield from self.wait(a, s.landed[prev], prev_ph, prev_use + 1, "landed")
-                if any(self.land_arr[a.cta][w][prev] < prev_use + 1 for w in range(4)):
-                    self.violate("ping_pong", f"{a.name} issues on stage {st} before wg1's block on {prev} landed")
             self.wg_issue(a, st, u)
             yield None
             if signal_issue:
@@ -997,16 +962,13 @@ class World:
                 yield None
             if kb == 0:  # after_issue(0): rel.flush, act_rel.flush
                 held = yield from self.act_flush(a, held, wg_bar, "after_issue(0)")
-            prev, prev_use, prev_ph = st, u, ph
+            prev, prev_use = st, u
             uses[st] += 1
             a.progress += 1
             st, ph = advance(st, ph)
         yield from self.wgmma_wait(a, 0)
         if signal_landing:
             self.arrive_issued(a, prev, prev_use, [a.warp])
-            yield None
-        if signal_back:
-            self.arrive_landed(a, prev, prev_use, [a.warp])
             yield None
         if a.warp == 0:
             self.release_stage(a, prev, prev_use)
@@ -1050,7 +1012,7 @@ class World:
                 break
             if ti.kind == 3:  # a pass: the stages go round for the partner
                 held = yield from self.act_flush(a, held, wg_bar, "pass")
-                iss = cfg.fp8 and (cfg.order != 0 if wgc == 0 else cfg.order == 3) and cfg.mutant != "no_pass_issued"
+                iss = cfg.fp8 and cfg.order != 0 and wgc == 0 and cfg.mutant != "no_pass_issued"
                 st, ph = yield from self.skip_kloop(a, ti.nk, st, ph, uses, iss)
                 continue
             if not cfg.fp8 and wgc == 1 and ti.rows <= 64:  # bf16: no rows in the second warpgroup's half
@@ -1152,10 +1114,6 @@ class World:
                 want = fills if (cfg.fp8 and cfg.order) else 0
                 if i.phase != want or i.pending != i.count:
                     self.violate("final_issued", f"{i!r}, expected phase {want}")
-                lb = s.landed[st]
-                want = fills if (cfg.fp8 and cfg.order == 3) else 0
-                if lb.phase != want or lb.pending != lb.count:
-                    self.violate("final_landed", f"{lb!r}, expected phase {want}")
                 if self.C == 2 and (
                     self.fills[0][st] != self.fills[1][st] or s.full[st].phase != self.sm[c ^ 1].full[st].phase
                 ):
@@ -1323,7 +1281,7 @@ def gen_cfg(
     """A random configuration (fp8 / order None: drawn too)."""
     cfg = Cfg(cluster=cluster)
     cfg.fp8 = rng.random() < 0.5 if fp8 is None else fp8
-    cfg.order = (rng.choice([0, 1, 2, 3]) if order is None else order) if cfg.fp8 else 0
+    cfg.order = (rng.choice([0, 1, 2]) if order is None else order) if cfg.fp8 else 0
     cfg.consumer_sync = rng.random() < 0.4
     cfg.nk1 = rng.randint(1, 5 if small else 9)
     cfg.nk2 = rng.randint(1, 5 if small else 9)
@@ -1439,7 +1397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="campaign seed (run r uses seed * 1000003 + r)")
     ap.add_argument("--single", action="store_true", help="one CTA (ffn_producer, no passes) instead of a cluster")
     ap.add_argument("--dtype", choices=["bf16", "fp8", "mixed"], default="mixed")
-    ap.add_argument("--order", type=int, choices=[0, 1, 2, 3], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)")
+    ap.add_argument("--order", type=int, choices=[0, 1, 2], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)")
     ap.add_argument(
         "--policy", default=None, help="one of " + ", ".join(POLICIES) + " or starve:NAME,... (default: rotate)"
     )
