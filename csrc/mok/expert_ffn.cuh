@@ -43,7 +43,6 @@ struct ComputeSmem {
   uint64_t* info_full;
   uint64_t* info_empty;
   uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
-  uint64_t* landed;  // fp8 K loop, issue order 3: the second consumer warpgroup's group on stage s landed
   TileInfo* info;
   int* off;        // [nseg + 1] processing-order segment offsets (seg_table; B = 1: the experts')
   int* lrow;       // [nseg] B > 1: layout row of each segment's first row
@@ -53,7 +52,7 @@ struct ComputeSmem {
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
-  return kStages * kStageBytes + (4 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
+  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
          (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64 + 8 + 4 * 8 + 2 * 8;  // ..., pull flag, ticket box
 }
 
@@ -65,8 +64,7 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
   s.issued = s.info_empty + 2;
-  s.landed = s.issued + kStages;
-  s.info = reinterpret_cast<TileInfo*>(s.landed + kStages);
+  s.info = reinterpret_cast<TileInfo*>(s.issued + kStages);
   s.off = reinterpret_cast<int*>(s.info + 2);
   s.lrow = s.off + MOK_MAX_LOCAL_EXPERTS + 1;
   s.pull_flag = s.lrow + MOK_MAX_LOCAL_EXPERTS;  // inside compute_smem_bytes' 64 spare bytes
@@ -337,10 +335,9 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
 // waiting by itself, a warp that fell a whole stage turnover behind -- released by thread 0, refilled, landed
 // -- would wait on the wrong phase for ever: no MMA keeps the warps of a skipping warpgroup together. Found by
 // a model check of the pipeline, scripts/NOTES-kernel.md eleventh session.)
-// issued (FP8 issue order on: fp8_order_barriers): thread 0 also arrives for the four warps on each stage's
-// `issued` (first warpgroup) or, order 3, `landed` barrier (second), as the K loop would: its phase must move
-// with the stage ring's on every use of a stage (fp8_kloop.cuh) -- a pass of nk stages that left it behind
-// deadlocked the other warpgroup's next wait.
+// issued (FP8 issue order on, first warpgroup only): thread 0 also arrives for the four warps on each stage's
+// `issued` barrier, as the K loop would: its phase must move with the stage ring's on every use of a stage
+// (fp8_kloop.cuh) -- a pass of nk stages that left it behind deadlocked the second warpgroup's next wait.
 __device__ __forceinline__ void skip_kloop(const Params& P, int q, const ComputeSmem& sm, int nk, int& st,
                                            uint32_t& ph, uint64_t* issued = nullptr) {
   const bool lead = (threadIdx.x & 127) == 0;
@@ -396,7 +393,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
-      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 ? fp8_order_barriers(P.fp8_issue_order, sm, wgc) : nullptr);
+      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -452,7 +449,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      }, P.fp8_issue_order ? sm.issued : nullptr, P.fp8_issue_order >= 2, P.fp8_issue_order == 3 ? sm.landed : nullptr);
+      }, P.fp8_issue_order ? sm.issued : nullptr, P.fp8_issue_order == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -586,7 +583,6 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       Barrier::init(&sm.full[s], 1);
       Barrier::init(&sm.empty[s], paired ? 2 * kConsumerWGs : kConsumerWGs);
       Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
-      Barrier::init(&sm.landed[s], 4);  // one arrival per warp of the second
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);

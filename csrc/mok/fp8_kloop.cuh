@@ -43,30 +43,11 @@ namespace mok {
 // warpgroup's rescale the first's next group. Its cost: the tensor cores wait for the barrier's signal
 // before each second group (~tens of cycles) if nothing else is queued. Same results (the barrier only
 // orders issues); timed against order 1 with bench_fp8.py --ab-env MOK_FP8_ISSUE_ORDER=2.
-// landed (issue order 3, MOK_FP8_ISSUE_ORDER=3; kStages mbarriers of 4 arrivals, with after_landing): a strict
-// ping-pong of the tensor cores. Order 2 still lets the first warpgroup's next group (issued once it has
-// rescaled) run beside the second's, and if the tensor cores interleave two queued groups both land
-// together again. With order 3 the first warpgroup also waits, before issuing block kb, until the second
-// warpgroup's block kb-1 has landed (the second arrives here after its wait<0>): the groups alternate
-// one at a time, and each warpgroup drains and rescales while the other's group runs. Its cost: two
-// hand-offs per K block (a landing seen, a barrier passed, four WGMMAs issued). Same results. Every use
-// of a stage by the second warpgroup must arrive (its phase is the stage ring's, as for `issued`).
-//
-// Ablation build only, MOK_DEBUG bit 64: no drain per K block (wait<1> after the issue, as the bf16 loop;
-// no rescale, results wrong; issue orders 2 / 3 fall back to order 1's signals): the FP8 tensor-core rate
-// of this loop without the promotion, an upper bound for the issue orders.
 // Stage st of the ring is free for its producer again (the forward's ComputeSmem has its own overload,
 // expert_ffn.cuh: with 2-CTA clusters the partner's empty barrier hears of it too).
 template <class Smem>
 __device__ __forceinline__ void release_stage(const Smem& sm, int st) {
   Barrier::arrive(&sm.empty[st]);
-}
-// The issue-order barriers a consumer warpgroup arrives on for each stage it uses (fp8_kloop.cuh): the
-// first warpgroup's `issued` (orders 1-3), the second's `landed` (order 3); nullptr: none.
-template <class Smem>
-__device__ __forceinline__ uint64_t* fp8_order_barriers(int order, const Smem& sm, int wgc) {
-  if (wgc == 0) return order ? sm.issued : nullptr;
-  return order == 3 ? sm.landed : nullptr;
 }
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
@@ -76,19 +57,11 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
                                               Hook after_issue = Hook{}, uint64_t* issued = nullptr,
-                                              bool after_landing = false, uint64_t* landed = nullptr) {
+                                              bool after_landing = false) {
   const int lt = threadIdx.x & 127;
-  const bool no_drain = MOK_DBG(64);  // ablation build only (see above)
-  if (no_drain) {
-    after_landing = false;
-    landed = nullptr;
-  }
-  // this warp of the first warpgroup signals `issued`: after its issue (order 1) or its landing (orders 2, 3)
+  // this warp of the first warpgroup signals `issued`: after its issue (order 1) or its landing (order 2)
   const bool signal_issue = issued != nullptr && wgc == 0 && (lt & 31) == 0 && !after_landing;
   const bool signal_landing = issued != nullptr && wgc == 0 && (lt & 31) == 0 && after_landing;
-  // order 3: this warp of the second warpgroup signals `landed` after its landing; the first waits for it
-  const bool signal_back = landed != nullptr && wgc == 1 && (lt & 31) == 0;
-  const bool wait_back = landed != nullptr && wgc == 0;
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
   // at the top of the block before its drain, so they have the drain and the previous block to land in.
   // (The tenth session moved the loads behind each tile's first issue to spare the tile start one L2 round
@@ -99,7 +72,6 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
   float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
   int prev = 0;
-  uint32_t prev_ph = 0;  // the stage ring's phase bit of block kb-1's stage
   for (int kb = 0; kb < nk; ++kb) {
     const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
     if (kb + 1 < nk) {
@@ -108,11 +80,10 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
       nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
     }
-    if (kb > 0 && !no_drain) {
+    if (kb > 0) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
       if (signal_landing) Barrier::arrive(&issued[prev]);  // the second warpgroup may issue block kb-1
-      if (signal_back) Barrier::arrive(&landed[prev]);     // the first warpgroup may issue block kb
       if (!MOK_DBG(32)) {  // ablation build only: the drain without the promotion's FMULs (results wrong)
         rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
         rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
@@ -123,7 +94,6 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     mbar_wait(P, &sm.full[st], ph, q, 4);
     MOK_PROGRESS(0x26000000u | (unsigned)(kb & 0xFFFF));
     if (issued != nullptr && wgc == 1) mbar_wait(P, &issued[st], ph, q, 7);  // after the first warpgroup's group
-    if (wait_back && kb > 0) mbar_wait(P, &landed[prev], prev_ph, q, 10);  // order 3: after the second's block kb-1
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
     const uint64_t da = make_smem_desc_sw128(a_s);
@@ -136,20 +106,13 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     cute::warpgroup_commit_batch();
     if (signal_issue) Barrier::arrive(&issued[st]);  // this warp's part issued
     after_issue(kb);
-    if (no_drain && kb > 0) {  // ablation: block kb-1 has landed while block kb runs
-      cute::warpgroup_wait<1>();
-      fence_acc(acc);
-      if (lt == 0) release_stage(sm, prev);
-    }
     pa0 = a0; pa1 = a1; pb0 = b0; pb1 = b1;
     prev = st;
-    prev_ph = ph;
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
   cute::warpgroup_wait<0>();
   fence_acc(acc);
   if (signal_landing) Barrier::arrive(&issued[prev]);
-  if (signal_back) Barrier::arrive(&landed[prev]);
   if (lt == 0) release_stage(sm, prev);
   rescale_half(acc, pa0 * pb0, pa1 * pb0);
   rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);

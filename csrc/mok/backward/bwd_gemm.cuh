@@ -56,13 +56,12 @@ struct BSmem {
   uint64_t* info_full;
   uint64_t* info_empty;
   uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
-  uint64_t* landed;  // fp8 K loop, issue order 3: the second consumer warpgroup's group on stage s landed
   BTile* info;
   int* off;
 };
 
 __host__ __device__ constexpr int bwd_compute_smem_bytes() {
-  return kStages * kStageBytes + (4 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
+  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
          64;
 }
 
@@ -74,8 +73,7 @@ __device__ __forceinline__ BSmem bwd_carve(uint8_t* smem) {
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
   s.issued = s.info_empty + 2;
-  s.landed = s.issued + kStages;
-  s.info = reinterpret_cast<BTile*>(s.landed + kStages);
+  s.info = reinterpret_cast<BTile*>(s.issued + kStages);
   s.off = reinterpret_cast<int*>(s.info + 2);
   return s;
 }
@@ -482,7 +480,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      }, B.fp8_issue_order ? sm.issued : nullptr, B.fp8_issue_order >= 2, B.fp8_issue_order == 3 ? sm.landed : nullptr);
+      }, B.fp8_issue_order ? sm.issued : nullptr, B.fp8_issue_order == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
@@ -528,12 +526,11 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
         if (++st == kStages) { st = 0; ph ^= 1u; }
         mbar_wait(B, &sm.full[sg], pg, q, 4);
         mbar_wait(B, &sm.full[su], pu, q, 4);
-        uint64_t* order_bar = kFp8 ? fp8_order_barriers(B.fp8_issue_order, sm, wgc) : nullptr;
-        if (order_bar != nullptr && (lt & 31) == 0) {
-          // the ordered K loop's `issued` / `landed` barriers count every use of a stage (their phase is the
-          // stage ring's, fp8_kloop.cuh): these two stages carry g / u, not a K block, but move them on too
-          Barrier::arrive(&order_bar[sg]);
-          Barrier::arrive(&order_bar[su]);
+        if (kFp8 && B.fp8_issue_order && wgc == 0 && (lt & 31) == 0) {
+          // the ordered K loop's `issued` barriers count every use of a stage (their phase is the stage
+          // ring's, fp8_kloop.cuh): these two stages carry g / u, not a K block, but move them on too
+          Barrier::arrive(&sm.issued[sg]);
+          Barrier::arrive(&sm.issued[su]);
         }
         uint8_t* gsm = sm.stages + sg * kStageBytes;
         uint8_t* usm = sm.stages + su * kStageBytes;
@@ -653,7 +650,6 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
       Barrier::init(&sm.full[s], 1);
       Barrier::init(&sm.empty[s], 2);
       Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
-      Barrier::init(&sm.landed[s], 4);  // one arrival per warp of the second
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);
