@@ -123,7 +123,8 @@ struct Params {
   int mb_cap;                         // max minibatches per rank (counter array size)
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy,
-                                      // 32 no fp8 scale promotion (the drain stays; forward only)
+                                      // 32 no fp8 scale promotion (the drain stays), 64 no fp8 drain
+                                      // either (wait<1> as bf16), 256 progress codes (hang diagnosis)
   int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
   int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
