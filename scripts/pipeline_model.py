@@ -19,8 +19,7 @@ flow is a line-by-line port; each agent's code follows:
                   lt == 0, which also releases stages, arrives on info_empty and leads skip_kloop)
                   expert_ffn.cuh: ffn_consumer (the bf16 K loop is inline there), skip_kloop,
                   release_stage, compute_role's tail (cluster_arrive / cluster_wait, named_bar_sync(1, 256))
-                  fp8_kloop.cuh: ffn_kloop_fp8 (issued: order 1 after issue, order 2 after landing,
-                  order 3 after the first of the block's two half groups landed)
+                  fp8_kloop.cuh: ffn_kloop_fp8 (issued: order 1 after issue, order 2 after landing)
                   deferred_release.cuh: DeferredActRelease::before_wait / flush / hold (named barriers)
   R{c}          warps 1-3 of WG0: compute_role's cluster_arrive_relaxed (at once); warp 0's other lanes arrive
                 with the producer once it is done (the cluster barrier counts whole warps on sm_90)
@@ -42,8 +41,8 @@ Checks (a violation is reported with the step it happened at and, with --show, t
   (c) every mbarrier wait catches exactly the phase its use of the barrier means (stale / lapped passes),
       no mbarrier is arrived on past its count, and a WGMMA group launches on a stage holding exactly its
       use's 48 KB;
-  (d) issue order 1 / 2 / 3: the second warpgroup's group on a stage use launches only after all four warps
-      of the first warpgroup arrived on issued[] for that use;
+  (d) issue order 1 / 2: the second warpgroup's group on a stage use launches only after all four warps of
+      the first warpgroup arrived on issued[] for that use;
   (e) mailbox messages and tile infos are read exactly once and in order, never overwritten unread.
 
 Not modelled (abstractions):
@@ -940,9 +939,8 @@ class World:
         cfg, s, wgc = self.cfg, self.sm[a.cta], a.wgc
         assert a.warp is not None
         issued = cfg.order != 0
-        signal_issue = issued and wgc == 0 and cfg.order == 1
+        signal_issue = issued and wgc == 0 and cfg.order != 2
         signal_landing = issued and wgc == 0 and cfg.order == 2
-        split = issued and cfg.order == 3  # both warpgroups commit two halves; wg0 signals the first's landing
         prev, prev_use = 0, -1
         for kb in range(nk):
             if kb > 0:
@@ -959,19 +957,11 @@ class World:
                 yield from self.wait(a, s.issued[st], ph, u + 1, "issued")
             self.wg_issue(a, st, u)
             yield None
-            if split:
-                self.wg_issue(a, st, u)
-                yield None
             if signal_issue:
                 self.arrive_issued(a, st, u, [a.warp])
                 yield None
             if kb == 0:  # after_issue(0): rel.flush, act_rel.flush
                 held = yield from self.act_flush(a, held, wg_bar, "after_issue(0)")
-            if split:
-                yield from self.wgmma_wait(a, 1)  # the first half has landed
-                if wgc == 0:
-                    self.arrive_issued(a, st, u, [a.warp])
-                    yield None
             prev, prev_use = st, u
             uses[st] += 1
             a.progress += 1
@@ -1291,7 +1281,7 @@ def gen_cfg(
     """A random configuration (fp8 / order None: drawn too)."""
     cfg = Cfg(cluster=cluster)
     cfg.fp8 = rng.random() < 0.5 if fp8 is None else fp8
-    cfg.order = (rng.choice([0, 1, 2, 3]) if order is None else order) if cfg.fp8 else 0
+    cfg.order = (rng.choice([0, 1, 2]) if order is None else order) if cfg.fp8 else 0
     cfg.consumer_sync = rng.random() < 0.4
     cfg.nk1 = rng.randint(1, 5 if small else 9)
     cfg.nk2 = rng.randint(1, 5 if small else 9)
@@ -1407,9 +1397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="campaign seed (run r uses seed * 1000003 + r)")
     ap.add_argument("--single", action="store_true", help="one CTA (ffn_producer, no passes) instead of a cluster")
     ap.add_argument("--dtype", choices=["bf16", "fp8", "mixed"], default="mixed")
-    ap.add_argument(
-        "--order", type=int, choices=[0, 1, 2, 3], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)"
-    )
+    ap.add_argument("--order", type=int, choices=[0, 1, 2], default=None, help="MOK_FP8_ISSUE_ORDER (default: drawn)")
     ap.add_argument(
         "--policy", default=None, help="one of " + ", ".join(POLICIES) + " or starve:NAME,... (default: rotate)"
     )

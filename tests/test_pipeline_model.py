@@ -3,7 +3,7 @@
 The model ports the stage ring, tile-info ring, FP8 issue-order barriers, 2-CTA ticket mailbox, remote
 releases, multicast and pass tiles of csrc/mok (expert_ffn.cuh, fp8_kloop.cuh, cluster_pair.cuh,
 pair_tiles.cuh) and runs them under adversarial schedulers. Here:
-  * campaigns of the current protocol (clusters and single CTAs, bf16 and FP8 issue orders 0 / 1 / 2 / 3,
+  * campaigns of the current protocol (clusters and single CTAs, bf16 and FP8 issue orders 0 / 1 / 2,
     aborts, every scheduler policy) must report no violation;
   * every seeded bug (MUTANTS) must be caught, for its own reason, by a small campaign;
   * two hand-made schedules of the skip_kloop hazard (a starved warp) pass with the current skip_kloop and
@@ -51,12 +51,10 @@ CLEAN = [
     pytest.param(dict(cluster=True, fp8=False), 20 * NPOL, 12, id="cluster-bf16"),
     pytest.param(dict(cluster=True, fp8=True, order=1), 20 * NPOL, 13, id="cluster-fp8-order1"),
     pytest.param(dict(cluster=True, fp8=True, order=2), 20 * NPOL, 14, id="cluster-fp8-order2"),
-    pytest.param(dict(cluster=True, fp8=True, order=3), 20 * NPOL, 17, id="cluster-fp8-order3"),
     pytest.param(dict(cluster=True, small=True, reorder_remote=True), 10 * NPOL, 15, id="cluster-small-reordered"),
     pytest.param(dict(cluster=True, lag_bound=1), 10 * NPOL, 16, id="cluster-lag-bound"),
     pytest.param(dict(cluster=False), 40 * NPOL, 21, id="single-mixed"),
     pytest.param(dict(cluster=False, fp8=False), 20 * NPOL, 22, id="single-bf16"),
-    pytest.param(dict(cluster=False, fp8=True, order=3), 20 * NPOL, 23, id="single-fp8-order3"),
 ]
 
 
@@ -73,7 +71,7 @@ def test_current_protocol_is_clean(kw: dict[str, Any], runs: int, seed: int) -> 
         assert st["passes"] > 0, st
     dtypes = {k for k in st if k == "bf16" or k.startswith("fp8 order")}
     if "fp8" not in kw:
-        assert dtypes == {"bf16", "fp8 order 0", "fp8 order 1", "fp8 order 2", "fp8 order 3"}, st
+        assert dtypes == {"bf16", "fp8 order 0", "fp8 order 1", "fp8 order 2"}, st
     elif kw["fp8"]:
         assert dtypes == {f"fp8 order {kw['order']}"}, st
     else:
@@ -101,7 +99,6 @@ MUTANT_CASES = [
     pytest.param("skip_per_warp", dict(cluster=True, fp8=True, order=1), 1, 60, SKIP_SIG, id="skip_per_warp-fp8-o1"),
     pytest.param("no_pass_issued", dict(cluster=True, fp8=True, order=1), 1, 60, ISSUED_SIG, id="no_pass_issued-o1"),
     pytest.param("no_pass_issued", dict(cluster=True, fp8=True, order=2), 1, 60, ISSUED_SIG, id="no_pass_issued-o2"),
-    pytest.param("no_pass_issued", dict(cluster=True, fp8=True, order=3), 1, 60, ISSUED_SIG, id="no_pass_issued-o3"),
     pytest.param("no_remote_release", dict(cluster=True), 1, 60, [("deadlock", "(empty)")], id="no_remote_release"),
     pytest.param("no_multicast_peer", dict(cluster=True), 1, 60, [("deadlock", "tx 16]")], id="no_multicast_peer"),
     pytest.param(
