@@ -449,7 +449,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      }, P.fp8_issue_order ? sm.issued : nullptr, P.fp8_issue_order == 2, P.fp8_issue_order == 3);
+      }, P.fp8_issue_order ? sm.issued : nullptr, P.fp8_issue_order == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;

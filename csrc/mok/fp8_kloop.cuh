@@ -43,18 +43,17 @@ namespace mok {
 // warpgroup's rescale the first's next group. Its cost: the tensor cores wait for the barrier's signal
 // before each second group (~tens of cycles) if nothing else is queued. Same results (the barrier only
 // orders issues); timed against order 1 with bench_fp8.py --ab-env MOK_FP8_ISSUE_ORDER=2.
-// Issue order 3 (MOK_FP8_ISSUE_ORDER=3, half_signal): the first warpgroup commits its block as two groups (K
-// steps 0-1, 2-3; same accumulator, nothing touches it between them) and signals `issued` once the first
-// half has landed (wait<1> right after the issue). The second warpgroup's group is then issued while the
-// first one's second half still runs -- the tensor cores never wait for a hand-off -- and it lands about half
-// a group later than the first warpgroup's: the two warpgroups' drains and rescales no longer coincide.
-// (Measured on the H200, 2026-12-05: a strict ping-pong -- each warpgroup issuing only once the other's
-// previous group had landed -- was 14 % slower than order 1: each hand-off costs a wake-up and an issue.)
+//
+// Measured on the H200 (2026-12-05) and dropped: a strict ping-pong (each warpgroup issuing only once the
+// other's previous group had landed) made the FP8 forward 14 % slower -- every hand-off leaves the tensor
+// cores idle; committing each block as two halves and letting the second warpgroup go once the first half
+// had landed was 1-3 % slower than order 1.
 //
 // Ablation build only, MOK_DEBUG bit 64: no drain per K block (wait<1> after the issue as in the bf16 loop;
 // no rescale, results wrong; the issue orders fall back to order 1's signal): the FP8 tensor-core rate of
 // this loop without the promotion, an upper bound for the issue orders (H200: 0.907 vs 1.115 us per fc1 K
 // block of the ablation build's baseline; without only the FMULs, bit 32: 0.974 us).
+//
 // Stage st of the ring is free for its producer again (the forward's ComputeSmem has its own overload,
 // expert_ffn.cuh: with 2-CTA clusters the partner's empty barrier hears of it too).
 template <class Smem>
@@ -69,15 +68,12 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
                                               Hook after_issue = Hook{}, uint64_t* issued = nullptr,
-                                              bool after_landing = false, bool half_signal = false) {
+                                              bool after_landing = false) {
   const int lt = threadIdx.x & 127;
   const bool no_drain = MOK_DBG(64);  // ablation build only (see above)
-  if (no_drain) after_landing = half_signal = false;
-  // the first warpgroup signals `issued` (lane 0 of each warp): after its issue (order 1), its landing
-  // (order 2) or its first half's landing (order 3)
-  // both warpgroups split (a wgmma under a warpgroup-dependent branch makes ptxas serialise them all, C7520)
-  const bool split = issued != nullptr && half_signal;
-  const bool signal_issue = issued != nullptr && wgc == 0 && (lt & 31) == 0 && !after_landing && !half_signal;
+  if (no_drain) after_landing = false;
+  // this warp of the first warpgroup signals `issued`: after its issue (order 1) or its landing (order 2)
+  const bool signal_issue = issued != nullptr && wgc == 0 && (lt & 31) == 0 && !after_landing;
   const bool signal_landing = issued != nullptr && wgc == 0 && (lt & 31) == 0 && after_landing;
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
   // at the top of the block before its drain, so they have the drain and the previous block to land in.
@@ -117,27 +113,12 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     fence_acc(acc);
     cute::warpgroup_arrive();
     const uint64_t db = make_smem_desc_sw128(b_s);  // 256 rows of 128 B: both column blocks
-    if (split) {  // order 3: two groups, the second warpgroup goes once the first has landed
 #pragma unroll
-      for (int kk = 0; kk < kBKf8 / 64; ++kk)
-        wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
-#pragma unroll
-      for (int kk = kBKf8 / 64; kk < kBKf8 / 32; ++kk)
-        wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, true);
-      cute::warpgroup_commit_batch();
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBKf8 / 32; ++kk)
-        wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
-    }
+    for (int kk = 0; kk < kBKf8 / 32; ++kk)
+      wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+    cute::warpgroup_commit_batch();
     if (signal_issue) Barrier::arrive(&issued[st]);  // this warp's part issued
     after_issue(kb);
-    if (split) {
-      cute::warpgroup_wait<1>();  // the first half has landed (no register of acc is touched meanwhile)
-      if (wgc == 0 && (lt & 31) == 0) Barrier::arrive(&issued[st]);
-    }
     if (no_drain && kb > 0) {  // ablation: block kb-1 has landed while block kb runs
       cute::warpgroup_wait<1>();
       fence_acc(acc);

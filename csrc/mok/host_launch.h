@@ -49,11 +49,10 @@ inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {
 }
 
 // MOK_FP8_ISSUE_ORDER (fp8_kloop.cuh), read by the forward and the backward launcher alike: 0 off, 1 after
-// issue (default), 2 after landing, 3 after the first half landed; false with the error written for anything else.
+// issue (default), 2 after landing; false with the error written for anything else.
 inline bool fp8_issue_order_knob(int* out, char* eb, int el) {
-  if (env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 3, out)) return true;
-  write_err(eb, el,
-            "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue), 2 (after landing) or 3 (after half), got '%s'",
+  if (env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, out)) return true;
+  write_err(eb, el, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
             getenv("MOK_FP8_ISSUE_ORDER"));
   return false;
 }

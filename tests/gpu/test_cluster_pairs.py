@@ -80,7 +80,7 @@ def test_cluster_pairs_give_the_same_bits(kernel, monkeypatch, dtype, R, comm, m
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("H", [256, 128, 64])
-@pytest.mark.parametrize("order", ["1", "2", "3"])
+@pytest.mark.parametrize("order", ["1", "2"])
 def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
     """F 128: one n-tile per stage, so an odd segment's last row block is a unit with a pass (the second CTA's
     stages go round without data; with the FP8 issue order its first warpgroup still moves the `issued`
@@ -88,7 +88,7 @@ def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
     the second 128-row half of W2's tile lies wholly past H (TMA fills it with zeros and counts its bytes)."""
     if dtype == "fp8" and H % 128:
         pytest.skip("fp8 needs H % 128 == 0")
-    if dtype == "bf16" and order != "1":
+    if dtype == "bf16" and order == "2":
         pytest.skip("the issue order is an FP8 knob")
     L, F, K = 5, 128, 2
     x, idx, wts, w1, w2, _ = make_backward_case(2, L, H, F, K, [900, 333], "skewed", seed=7)
@@ -104,13 +104,13 @@ def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
 
 
 def test_cluster_pairs_with_knobs(kernel, monkeypatch):
-    """FP8 issue orders 0 / 1 / 2 / 3 (the `issued` barriers beside the shared stages), lock-step consumers and a
+    """FP8 issue orders 0 / 1 / 2 (the `issued` barriers beside the shared stages), lock-step consumers and a
     consumer lead, token chunks (EP 1), a single-slot ring with an odd minibatch."""
     L, H, F, K = 3, 512, 384, 4
     x, idx, wts, w1, w2, _ = make_backward_case(1, L, H, F, K, [1500], "uniform", seed=9)
     case = (x, idx, wts, w1, w2)
     f8 = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192, fp8=_fp8(w1, w2))
-    for order in ("0", "1", "2", "3"):
+    for order in ("0", "1", "2"):
         _same(kernel, monkeypatch, case, f8, env=[("MOK_FP8_ISSUE_ORDER", order)], saved_h=False)
     bf = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192)
     _same(kernel, monkeypatch, case, bf, env=[("MOK_CONSUMER_SYNC", "1")])
