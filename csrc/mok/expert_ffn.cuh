@@ -301,6 +301,8 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
     }
     const int e = pu.seg % L;
     prefetch_tile_maps(P, q * L + e, kind);
+    // the ticket's minibatch and kind (hang diagnosis: which dependency a stalled pair waits for)
+    MOK_PROGRESS(0x13000000u | (unsigned)((kind & 3) << 20) | (unsigned)(mb & 0xFFFFF));
     if (crank == 0) {  // the dependencies of both tiles; the verdict goes to the follower with the ticket
       bool ok = kind != 0 && wait_tile_inputs(P, q, kind, mb, pu.mt[0]);
       if (ok && kind == 2 && pu.mt[1] != pu.mt[0]) ok = wait_tile_inputs(P, q, kind, mb, pu.mt[1]);
