@@ -866,38 +866,21 @@ class World:
 
     def skip_kloop(self, a: Agent, nk: int, st: int, ph: int, uses: list[int], issued: bool) -> Proc[tuple[int, int]]:
         """expert_ffn.cuh: skip_kloop. Only thread 0 of the warpgroup (warp 0) waits on each stage, arrives
-        four times on issued[st] (mbar_arrive_count) and releases it; the other warps just move st / ph on."""
-        if self.cfg.mutant == "skip_per_warp":
-            return (yield from self.skip_kloop_per_warp(a, nk, st, ph, uses, issued))
+        four times on issued[st] (mbar_arrive_count) and releases it; the other warps just move st / ph on.
+        Mutant skip_per_warp: skip_kloop before 91be0f3 (each warp waits and arrives once on issued for itself;
+        warp 0 releases)."""
         s = self.sm[a.cta]
+        assert a.warp is not None
+        per_warp = self.cfg.mutant == "skip_per_warp"
         lead = a.warp == 0
         for _kb in range(nk):
             u = uses[st]
-            if lead:
+            if lead or per_warp:
                 yield from self.wait(a, s.full[st], ph, u + 1, "full(skip)")
                 if issued:
-                    self.arrive_issued(a, st, u, range(4))
+                    self.arrive_issued(a, st, u, [a.warp] if per_warp else range(4))
                     yield None
-                self.release_stage(a, st, u)
-                yield None
-            uses[st] += 1
-            a.progress += 1
-            st, ph = advance(st, ph)
-        return st, ph
-
-    def skip_kloop_per_warp(
-        self, a: Agent, nk: int, st: int, ph: int, uses: list[int], issued: bool
-    ) -> Proc[tuple[int, int]]:
-        """Mutant skip_per_warp: skip_kloop before 91be0f3 (each warp waits; lane 0 arrives once on issued)."""
-        s = self.sm[a.cta]
-        assert a.warp is not None
-        for _kb in range(nk):
-            u = uses[st]
-            yield from self.wait(a, s.full[st], ph, u + 1, "full(skip)")
-            if issued:
-                self.arrive_issued(a, st, u, [a.warp])
-                yield None
-            if a.warp == 0:
+            if lead:
                 self.release_stage(a, st, u)
                 yield None
             uses[st] += 1

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import ground_truth, make_backward_case, rel_err  # noqa: E402
+from mok_truth import KEPT_AND_BACKWARD, ground_truth, kept_rows_and_backward, make_backward_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -120,24 +120,8 @@ def test_cluster_pairs_with_knobs(kernel, monkeypatch):
 
 
 def test_cluster_pairs_kept_rows_and_backward(kernel, monkeypatch):
-    import megatron_mok.kernel.backward as bk
-    from megatron_mok.kernel import KeptRows
-
-    L, H, F, K, T = 3, 512, 384, 4, 1400
-    x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
-    rows = T * K
-    cfg = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192)
-    res = {}
-    for cluster in (1, 2):
-        keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
-        keep.x.fill_(float("nan"))
-        keep.act.fill_(float("nan"))
-        h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        out, comb, _ = _launch(kernel, monkeypatch, cluster, x, idx, wts, w1, w2, saved_h=h, keep=keep, **cfg)
-        grads = bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
-        torch.cuda.synchronize()
-        res[cluster] = (out[0], keep.x[0].nan_to_num(7.0), keep.act[0].nan_to_num(7.0), h[0], grads[0][0])
-    for name, a, b in zip(("out", "kept x", "kept act", "saved h", "grad_x"), res[2], res[1]):
+    res = kept_rows_and_backward(kernel, monkeypatch, "MOK_CLUSTER", (1, 2))
+    for name, a, b in zip(KEPT_AND_BACKWARD, res[2], res[1]):
         assert torch.equal(a, b), f"{name} differs with MOK_CLUSTER=2"
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from mok_truth import make_backward_case  # noqa: E402
+from mok_truth import KEPT_AND_BACKWARD, kept_rows_and_backward, make_backward_case  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -68,25 +68,8 @@ def test_token_chunks_fp8_and_few_tokens(kernel, monkeypatch):
 
 def test_token_chunks_with_kept_rows_and_backward(kernel, monkeypatch):
     """Kept rows sit at their layout rows whatever the processing order: the backward gives the same bits."""
-    import megatron_mok.kernel.backward as bk
-    from megatron_mok.kernel import KeptRows
-
-    L, H, F, K, T = 3, 512, 384, 4, 1400
-    x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
-    rows = T * K
-    cfg = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192)
-    res = {}
-    for B in (1, 4):
-        keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
-        keep.x.fill_(float("nan"))  # rows past the routed ones are never written: compare them as NaN
-        keep.act.fill_(float("nan"))
-        h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        out, comb, _ = _launch(kernel, monkeypatch, B, x, idx, wts, w1, w2, saved_h=h, keep=keep, **cfg)
-        grads = bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
-        torch.cuda.synchronize()
-        kx, ka = keep.x[0].nan_to_num(7.0), keep.act[0].nan_to_num(7.0)
-        res[B] = (out[0], kx, ka, h[0], grads[0][0], grads[2][0][0])
-    for name, a, b in zip(("out", "kept x", "kept act", "saved h", "grad_x", "dW1[0]"), res[4], res[1]):
+    res = kept_rows_and_backward(kernel, monkeypatch, "MOK_MACROBATCHES", (1, 4))
+    for name, a, b in zip(KEPT_AND_BACKWARD, res[4], res[1]):
         assert torch.equal(a, b), f"{name} differs with token chunks"
 
 
