@@ -5,7 +5,7 @@
 # Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward), MOK_SUITE_BENCH=0 the benchmark,
 #      MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py), MOK_PYTEST_PATHS (tests/gpu),
 #      MOK_PYTEST_ARGS overrides "-x -q", MOK_SUITE_ISOLATE test files run in processes of their own (default:
-#      the ones never yet run on a GPU; "" none), MOK_SUITE_FP8_ARGS the fp8 benchmark's arguments (e.g. an interleaved
+#      the ones not yet passing on a GPU; "" none), MOK_SUITE_FP8_ARGS the fp8 benchmark's arguments (e.g. an interleaved
 #      A/B of a launcher knob: "--comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 13 --no-graphs
 #      --ab-env MOK_FP8_ISSUE_ORDER=2 --ab-env-kinds fp8").
 set -uo pipefail
@@ -30,9 +30,10 @@ PY
 rc=0
 if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
   echo "== tests"
-  # Test files of paths never yet run on a GPU go in processes of their own, after the rest: a kernel that
-  # traps there (lost CUDA context) must not fail every later test of the same process.
-  ISOLATE="${MOK_SUITE_ISOLATE-tests/gpu/test_cluster_pairs.py tests/gpu/test_token_chunks.py}"
+  # Test files not yet passing on a GPU go in processes of their own, after the rest: a kernel that traps
+  # there (lost CUDA context) must not fail every later test of the same process. (Token chunks passed on the
+  # H200 on 2026-12-05; the clusters' in-SM-pull cases still stall.)
+  ISOLATE="${MOK_SUITE_ISOLATE-tests/gpu/test_cluster_pairs.py}"
   IGNORE=""
   for f in $ISOLATE; do IGNORE="$IGNORE --ignore=$f"; done
   # shellcheck disable=SC2086  # word splitting of the path / argument strings is intended
