@@ -5,10 +5,11 @@
 #   bash scripts/run_timelines.sh
 # Env: MOK_TL_SPECS  variants, ';'-separated, each "label|config|dtype|ENV=VAL ENV=VAL" (the env part may be
 #                    empty); default: the eleventh session's set below.
-#      MOK_TL_OLD_TREE a directory holding another source tree (e.g. `git archive 828de2d | tar -x -C old_tree`):
-#                    its library is built apart (MOK_CACHE_DIR of its own); first the MOK_TL_OLD_SPECS variants
-#                    (default: the plain fp8 and bf16 launches) run twice in both trees, alternating (two launches
-#                    of one build agree to ~0.1 %), labelled new-<label>-<i> / old-<label>-<i>.
+#      MOK_TL_OLD_TREE directories holding other source trees, space-separated (e.g. `git archive 828de2d | tar -x
+#                    -C old_tree`): each tree's library is built apart (MOK_CACHE_DIR of its own); first the
+#                    MOK_TL_OLD_SPECS variants (default: the plain fp8 and bf16 launches) run MOK_TL_OLD_REPS times
+#                    (default 2) in this tree and every old one, alternating (two launches of one build agree to
+#                    ~0.1 %), labelled new-<label>-<i> / <tree dir name>-<label>-<i>.
 #      OUT           log directory (default ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,12 +48,14 @@ run_one() {
 {
   if [ -n "${MOK_TL_OLD_TREE:-}" ]; then
     IFS=';' read -ra OLD <<<"${MOK_TL_OLD_SPECS:-fp8|kimi-k2-fp8|fp8|;bf16|kimi-k2|bf16|}"
-    for i in 1 2; do
+    for i in $(seq 1 "${MOK_TL_OLD_REPS:-2}"); do
       for spec in "${OLD[@]}"; do
         IFS='|' read -r label config dtype envs <<<"$spec"
         [ -n "$label" ] || continue
         run_one "$PWD" "new-$label-$i" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR"
-        run_one "$MOK_TL_OLD_TREE" "old-$label-$i" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR-old"
+        for tree in $MOK_TL_OLD_TREE; do
+          run_one "$tree" "$(basename "$tree")-$label-$i" "$config" "$dtype" "$envs" "$MOK_CACHE_DIR-$(basename "$tree")"
+        done
       done
     done
   fi
