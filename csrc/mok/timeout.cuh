@@ -83,6 +83,23 @@ __device__ __forceinline__ void mbar_wait(const Params& P, uint64_t* bar, uint32
   mbar_wait_slow(P, bar, phase, rank, what);
 }
 
+// As mbar_wait, for waits with WGMMA groups in flight (fp8_kloop.cuh: pipelined halves): no call on any
+// path (a call there makes ptxas serialise every wgmma, C7511), so on a timeout it records the error and
+// returns false; the caller traps (fatal_trap) once its groups have landed.
+__device__ __forceinline__ bool mbar_wait_in_flight(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
+  if (mbar_try_wait(bar, phase)) return true;
+  const unsigned long long t0 = globaltimer_ns();
+  const unsigned long long limit = P.timeout_ns * 4ull + 1000000000ull;
+  while (!mbar_try_wait(bar, phase)) {
+    if (globaltimer_ns() - t0 > limit) {
+      record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
+      __threadfence_system();
+      return false;
+    }
+  }
+  return true;
+}
+
 // Grid-wide barrier (all CTAs co-resident: cooperative launch). Monotonic counter, n-th use.
 __device__ __forceinline__ bool grid_barrier(const Params& P, int nth, int* s_flag) {
   __syncthreads();

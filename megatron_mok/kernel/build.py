@@ -61,6 +61,31 @@ def cutlass_include() -> Path | None:
     return inc if (inc / "cute" / "arch" / "mma_sm90_gmma.hpp").is_file() else None
 
 
+# FP8 K loop of the forward and dgrad kernels (csrc/mok/fp8_kloop.cuh), a build-time choice: ptxas
+# serialises every wgmma of a kernel that holds both loops behind a runtime branch (C7515), so each
+# value is a library of its own (the cache key holds the flag). 0: one drained m64n256 group per K
+# block; 2: pipelined 128-column halves, drained every 2 blocks.
+FP8_KLOOP_DEFAULT = 0
+FP8_KLOOP_CHOICES = (0, 2)
+
+
+def fp8_kloop() -> int:
+    """The FP8 K loop to build: ``MOK_FP8_KLOOP`` (one of FP8_KLOOP_CHOICES) or FP8_KLOOP_DEFAULT."""
+    v = os.environ.get("MOK_FP8_KLOOP")
+    if v is None or v == "":
+        return FP8_KLOOP_DEFAULT
+    try:
+        k = int(v)
+    except ValueError:
+        k = -1
+    if k not in FP8_KLOOP_CHOICES:
+        raise BuildError(
+            f"MOK_FP8_KLOOP must be one of {', '.join(map(str, FP8_KLOOP_CHOICES))} "
+            f"(0: one drained group per K block, 2: pipelined halves), got {v!r}"
+        )
+    return k
+
+
 def nvcc_flags(include: Path, src: Path) -> list[str]:
     flags = [
         "-gencode=arch=compute_90a,code=sm_90a",
@@ -74,6 +99,7 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
     ]
     if os.environ.get("MOK_ABLATION") == "1":  # timing-ablation variant (see csrc/mok/common.cuh)
         flags.append("-DMOK_ABLATION")
+    flags.append(f"-DMOK_FP8_KLOOP={fp8_kloop()}")
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags
