@@ -60,18 +60,6 @@ template <class Smem>
 __device__ __forceinline__ void release_stage(const Smem& sm, int st) {
   Barrier::arrive(&sm.empty[st]);
 }
-// After a wait that landed the group reading stage st: hand the stage back (one thread per warpgroup), then
-// fence the accumulator so nothing that reads it (the promotion's FMULs) is scheduled before the arrive.
-// Why (a hypothesis from the SASS, to be timed): side by side on an H100 the FP8 tiles' K blocks took 8 %
-// longer in this tree than in the eighth session's, whose compiled loop arrived right after the drain; here
-// the arrive (with the cluster partner's arrive behind a branch) sat after the 128 FMULs, so each refill
-// started ~150 cycles later, and a 4-stage ring leaves the consumers waiting on the refill's TMA latency.
-template <class Smem>
-__device__ __forceinline__ void release_stage_first(const Smem& sm, int st, int lt, float* acc) {
-  fence_acc(acc);
-  if (lt == 0) release_stage(sm, st);
-  fence_acc(acc);
-}
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
@@ -107,14 +95,13 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     }
     if (kb > 0 && !no_drain) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
-      // Its stage goes back to the producer first, before the promotion's FMULs: the refill's TMA latency
-      // is what the next blocks wait on (release_stage_first).
-      release_stage_first(sm, prev, lt, acc);
+      fence_acc(acc);
       if (signal_landing) Barrier::arrive(&issued[prev]);  // the second warpgroup may issue block kb-1
       if (!MOK_DBG(32)) {  // ablation build only: the drain without the promotion's FMULs (results wrong)
         rescale_half(acc, __fdividef(pa0 * pb0, a0 * b0), __fdividef(pa1 * pb0, a1 * b0));
         rescale_half(acc + 64, __fdividef(pa0 * pb1, a0 * b1), __fdividef(pa1 * pb1, a1 * b1));
       }
+      if (lt == 0) release_stage(sm, prev);
     }
     MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.full[st], ph, q, 4);
@@ -142,8 +129,9 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
   cute::warpgroup_wait<0>();
-  release_stage_first(sm, prev, lt, acc);
+  fence_acc(acc);
   if (signal_landing) Barrier::arrive(&issued[prev]);
+  if (lt == 0) release_stage(sm, prev);
   rescale_half(acc, pa0 * pb0, pa1 * pb0);
   rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);
 }
@@ -234,9 +222,8 @@ __device__ __forceinline__ void fp8_split_blocks(const Params& P, int q, const S
     if (j > 0) {
       cute::warpgroup_wait<1>();  // H of block kb-1 has landed, L of block kb runs
       fence_acc_half(acc + 64);
-      if (lt == 0) release_stage(sm, prev);  // before the FMULs, as release_stage_first
-      fence_acc_half(acc + 64);
       if (signal && after_landing) Barrier::arrive(&issued[prev]);
+      if (lt == 0) release_stage(sm, prev);
     }
     if (j > 0) rescale_half(acc + 64, fh0, fh1);
     issue_fp8_half(stage, wgc, 1, acc + 64, kb == 0);
@@ -246,9 +233,10 @@ __device__ __forceinline__ void fp8_split_blocks(const Params& P, int q, const S
     if (++st == kStages) { st = 0; ph ^= 1u; }
   }
   cute::warpgroup_wait<0>();
-  release_stage_first(sm, prev, lt, acc);
+  fence_acc(acc);
   if (stalled) fatal_trap();
   if (signal && after_landing) Barrier::arrive(&issued[prev]);
+  if (lt == 0) release_stage(sm, prev);
 }
 template <int U, class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8_split(const Params& P, int q, const Smem& sm, int wgc, int nk,
