@@ -26,8 +26,27 @@ def test_fp8_kloop_rejects(monkeypatch, bad):
         build.fp8_kloop()
 
 
+def test_fp8_ordered_default_and_choices(monkeypatch):
+    monkeypatch.delenv("MOK_FP8_ORDERED", raising=False)
+    assert build.fp8_ordered() == build.FP8_ORDERED_DEFAULT == 1
+    for k in (0, 1):
+        monkeypatch.setenv("MOK_FP8_ORDERED", str(k))
+        assert build.fp8_ordered() == k
+        assert f"-DMOK_FP8_ORDERED={k}" in build.nvcc_flags(Path("/inc"), Path("/src"))
+
+
+@pytest.mark.parametrize("bad", ["2", "yes", "01", "-1"])
+def test_fp8_ordered_rejects(monkeypatch, bad):
+    monkeypatch.setenv("MOK_FP8_ORDERED", bad)
+    with pytest.raises(build.BuildError, match=r"MOK_FP8_ORDERED must be one of 0, 1 .*got '" + bad + "'"):
+        build.fp8_ordered()
+
+
 def test_fp8_kloop_source_agrees():
     """The source's static_assert admits exactly the choices build.py offers."""
     src = (build.source_dir() / "fp8_kloop.cuh").read_text()
     assert "static_assert(MOK_FP8_KLOOP == 0 || MOK_FP8_KLOOP == 2" in src
     assert build.FP8_KLOOP_CHOICES == (0, 2)
+    common = (build.source_dir() / "common.cuh").read_text()
+    assert "static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1" in common
+    assert build.FP8_ORDERED_CHOICES == (0, 1)

@@ -15,6 +15,15 @@
 #define MOK_MAX_EXPERTS 8192
 #define MOK_MAX_SLOTS 64
 
+// Build-time switches (megatron_mok/kernel/build.py sets them from the variables of the same name):
+// MOK_FP8_ORDERED 1 compiles in the FP8 K loop's issue-order barriers (the run-time knob MOK_FP8_ISSUE_ORDER
+// then picks 0 / 1 / 2), 0 leaves them out (a side-by-side H100 run found the code itself costing ~2.4 %:
+// scripts/NOTES-kernel.md, thirteenth session).
+#ifndef MOK_FP8_ORDERED
+#define MOK_FP8_ORDERED 1
+#endif
+static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED must be 0 or 1");
+
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
 // -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
 // extra branches or registers; the bitmask comes from the MOK_DEBUG environment variable.

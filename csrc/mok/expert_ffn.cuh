@@ -395,7 +395,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
-      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
+      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && MOK_FP8_ORDERED && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -451,7 +451,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      }, P.fp8_issue_order ? sm.issued : nullptr, P.fp8_issue_order == 2);
+      }, MOK_FP8_ORDERED && P.fp8_issue_order ? sm.issued : nullptr, MOK_FP8_ORDERED && P.fp8_issue_order == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;

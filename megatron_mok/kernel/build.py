@@ -61,29 +61,51 @@ def cutlass_include() -> Path | None:
     return inc if (inc / "cute" / "arch" / "mma_sm90_gmma.hpp").is_file() else None
 
 
-# FP8 K loop of the forward and dgrad kernels (csrc/mok/fp8_kloop.cuh), a build-time choice: ptxas
-# serialises every wgmma of a kernel that holds both loops behind a runtime branch (C7515), so each
-# value is a library of its own (the cache key holds the flag). 0: one drained m64n256 group per K
-# block; 2: pipelined 128-column halves, drained every 2 blocks.
+# Build-time choices of the FP8 forward / dgrad kernels (csrc/mok/fp8_kloop.cuh, common.cuh). Each value is a
+# library of its own (the flags are in the cache key): ptxas serialises every wgmma of a kernel that holds both
+# K loops behind a run-time branch (C7515), and the issue-order code costs time even when switched off at run
+# time (scripts/NOTES-kernel.md, thirteenth session).
+#   MOK_FP8_KLOOP    0: one drained m64n256 group per K block; 2: pipelined 128-column halves, drained
+#                    every 2 blocks (same bits)
+#   MOK_FP8_ORDERED  1: the issue-order barriers compiled in (MOK_FP8_ISSUE_ORDER picks 0 / 1 / 2 per launch);
+#                    0: left out (order 0 only)
 FP8_KLOOP_DEFAULT = 0
 FP8_KLOOP_CHOICES = (0, 2)
+FP8_ORDERED_DEFAULT = 1
+FP8_ORDERED_CHOICES = (0, 1)
 
 
-def fp8_kloop() -> int:
-    """The FP8 K loop to build: ``MOK_FP8_KLOOP`` (one of FP8_KLOOP_CHOICES) or FP8_KLOOP_DEFAULT."""
-    v = os.environ.get("MOK_FP8_KLOOP")
+def _build_choice(name: str, default: int, choices: tuple[int, ...], meaning: str) -> int:
+    v = os.environ.get(name)
     if v is None or v == "":
-        return FP8_KLOOP_DEFAULT
+        return default
     try:
         k = int(v)
     except ValueError:
         k = -1
-    if k not in FP8_KLOOP_CHOICES:
-        raise BuildError(
-            f"MOK_FP8_KLOOP must be one of {', '.join(map(str, FP8_KLOOP_CHOICES))} "
-            f"(0: one drained group per K block, 2: pipelined halves), got {v!r}"
-        )
+    if k not in choices or str(k) != v.strip():
+        raise BuildError(f"{name} must be one of {', '.join(map(str, choices))} ({meaning}), got {v!r}")
     return k
+
+
+def fp8_kloop() -> int:
+    """The FP8 K loop to build: ``MOK_FP8_KLOOP`` (one of FP8_KLOOP_CHOICES) or FP8_KLOOP_DEFAULT."""
+    return _build_choice(
+        "MOK_FP8_KLOOP",
+        FP8_KLOOP_DEFAULT,
+        FP8_KLOOP_CHOICES,
+        "0: one drained group per K block, 2: pipelined halves",
+    )
+
+
+def fp8_ordered() -> int:
+    """Whether to build the FP8 issue-order code: ``MOK_FP8_ORDERED`` (0 / 1) or FP8_ORDERED_DEFAULT."""
+    return _build_choice(
+        "MOK_FP8_ORDERED",
+        FP8_ORDERED_DEFAULT,
+        FP8_ORDERED_CHOICES,
+        "1: issue-order barriers compiled in, 0: left out",
+    )
 
 
 def nvcc_flags(include: Path, src: Path) -> list[str]:
@@ -100,6 +122,7 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
     if os.environ.get("MOK_ABLATION") == "1":  # timing-ablation variant (see csrc/mok/common.cuh)
         flags.append("-DMOK_ABLATION")
     flags.append(f"-DMOK_FP8_KLOOP={fp8_kloop()}")
+    flags.append(f"-DMOK_FP8_ORDERED={fp8_ordered()}")
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags

@@ -1,5 +1,6 @@
 """Subprocess body of test_fp8_kloop.py: the FP8 forward and dgrad of a few cases with the library this
-process builds (MOK_FP8_KLOOP is read at build time), saved to argv[1] for a bitwise comparison."""
+process builds (MOK_FP8_KLOOP / MOK_FP8_ORDERED are read at build time), saved to argv[1] for a bitwise
+comparison; with argv[2] == "refusal", instead a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
 
 from __future__ import annotations
 
@@ -50,5 +51,33 @@ def main(path: str) -> None:
     torch.save(out, path)
 
 
+def refusal() -> None:
+    import megatron_mok.kernel as kernel
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    R, L, H, F, K, Ts, mode, comm, slots, mb = CASES[0]
+    x, idx, wts, w1, w2, _ = make_backward_case(R, L, H, F, K, Ts, mode, 100)
+    os.environ["MOK_FP8_ISSUE_ORDER"] = "1"
+    try:
+        kernel.mok_forward_emulated(
+            x,
+            idx,
+            wts,
+            w1,
+            w2,
+            fp8=quantize_expert_weights(w1, w2),
+            comm_sms=comm,
+            ring_slots=slots,
+            minibatch_tokens=mb,
+        )
+    except Exception as exc:  # the launcher's error, printed for the test to match
+        print(f"REFUSED: {exc}")
+        return
+    print("ACCEPTED")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2 and sys.argv[2] == "refusal":
+        refusal()
+    else:
+        main(sys.argv[1])
