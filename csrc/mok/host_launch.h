@@ -54,14 +54,13 @@ inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {
 inline bool fp8_issue_order_knob(int* out, char* eb, int el) {
 #if MOK_FP8_ORDERED
   if (env_choice("MOK_FP8_ISSUE_ORDER", 1, 0, 2, out)) return true;
+  write_err(eb, el, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
+            getenv("MOK_FP8_ISSUE_ORDER"));
 #else
   if (env_choice("MOK_FP8_ISSUE_ORDER", 0, 0, 0, out)) return true;
   write_err(eb, el, "MOK_FP8_ISSUE_ORDER=%s needs the issue-order code, which this build leaves out (MOK_FP8_ORDERED=0 "
             "at build time); unset it or set 0", getenv("MOK_FP8_ISSUE_ORDER"));
-  return false;
 #endif
-  write_err(eb, el, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
-            getenv("MOK_FP8_ISSUE_ORDER"));
   return false;
 }
 
