@@ -3,9 +3,10 @@ csrc/mok/fp8_kloop.cuh) and the issue-order code left out (MOK_FP8_ORDERED=0, wh
 MOK_FP8_ISSUE_ORDER with an error naming both).
 
 The pipelined halves promote the same accumulator elements by the same factors and run the same MMAs per
-element as the drained m64n256 loop, so the FP8 forward (out, combine rows, saved h) and the FP8 dgrad
-(grad_x, router grad, and the weight gradients from its dH) must agree exactly. Each loop is its own library, so each runs in a process of its
-own (tests/gpu/fp8_kloop_run.py) and the results are compared here.
+element as the drained m64n256 loop, and the issue order only orders issues, so the FP8 forward (out,
+combine rows, saved h) and the FP8 dgrad (grad_x, router grad, and the weight gradients from its dH) must
+agree exactly. Each choice is a library of its own, so each runs in a process of its own
+(tests/gpu/fp8_kloop_run.py) and the results are compared here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _proc(kloop: int, ordered: int, *args: str) -> subprocess.CompletedProcess:
 def _run(kloop: int, path: Path, ordered: int = 1) -> dict:
     res = _proc(kloop, ordered, str(path))
     assert res.returncode == 0, (
-        f"MOK_FP8_KLOOP={kloop}: rc {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        f"MOK_FP8_KLOOP={kloop} MOK_FP8_ORDERED={ordered}: rc {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     )
     return torch.load(path)
 
@@ -42,7 +43,9 @@ def _run(kloop: int, path: Path, ordered: int = 1) -> dict:
 def _same_bits(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys() and len(a) > 0
     for case in a:
+        assert a[case].keys() == b[case].keys(), (what, case)
         for name in a[case]:
+            assert len(a[case][name]) == len(b[case][name]), (what, case, name)
             for r, (x, y) in enumerate(zip(a[case][name], b[case][name])):
                 assert x.shape == y.shape, (what, case, name, r)
                 d = (x.float() - y.float()).abs().max()
