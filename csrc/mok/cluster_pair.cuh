@@ -73,15 +73,7 @@ __device__ __forceinline__ bool mbar_try_wait_cluster(uint64_t* bar, uint32_t ph
 // stage ring's: before sending, the leader may wait on two counters with twice the timeout each.
 __device__ __forceinline__ void mbar_wait_cluster(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
   if (mbar_try_wait_cluster(bar, phase)) return;
-  const unsigned long long t0 = globaltimer_ns();
-  const unsigned long long limit = P.timeout_ns * 6ull + 1000000000ull;
-  while (!mbar_try_wait_cluster(bar, phase)) {
-    if (globaltimer_ns() - t0 > limit) {
-      record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
-      __threadfence_system();
-      fatal_trap();
-    }
-  }
+  if (!spin_or_record(P, [&] { return mbar_try_wait_cluster(bar, phase); }, 6, phase, rank, what)) fatal_trap();
 }
 
 // The producers' ticket mailbox: 2 entries in the follower's shared memory; `full` lives in the follower

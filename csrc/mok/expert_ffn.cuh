@@ -445,7 +445,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb0 = ws + (long long)(2 * ti.nt) * nk;
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
-      ffn_kloop_fp8_any(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
+      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight (one group at most: wait<0>)
           if (lt == 0) rel.flush();
           act_rel.flush(wg_bar, lt);

@@ -63,12 +63,140 @@ __device__ __forceinline__ void release_stage(const Smem& sm, int st) {
 struct NoHook {
   __device__ __forceinline__ void operator()(int) const {}
 };
+// ---------------------------------------------------------------------------------------------------------
+// Pipelined halves (a build with MOK_FP8_KLOOP=2): the same sum as ffn_kloop_fp8 below, but each K
+// block is two groups of four m64n128k32 -- L (acc[0, 64): columns 0-127, weight scale block sb0) and H
+// (acc[64, 128): columns 128-255, sb1) -- and a half is promoted while the other half's group runs:
+//
+//   L_kb issued; wait<1> (H_kb-1 landed, L_kb runs); rescale H; H_kb issued; wait<1> (L_kb landed, H_kb
+//   runs); rescale L; L_kb+1 issued; ...
+//
+// so this warpgroup's tensor-core queue never empties for a promotion. ptxas tracks which group a
+// wait<1> retires only inside straight-line code: a group still in flight across a loop back edge makes it
+// serialise every wgmma of the kernel (C7514, measured in the third session's first try and again in a
+// proxy). So the loop runs U blocks unrolled per iteration and drains (wait<0>) once at its end: per U
+// blocks one drain and the promotion of one half (64 FMULs) are exposed, instead of U drains and U x 128
+// FMULs. A remainder of nk % U blocks runs one block per iteration. Same arithmetic per element as
+// ffn_kloop_fp8 (same FMULs, same MMAs per element), so the same bits.
+// The cost: A is read from smem twice per K step (once per half) instead of once.
+struct Fp8SplitState {
+  const float *sa0, *sa1, *sb0, *sb1;
+  int nk;
+  float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the scales acc is in units of (the last block's)
+  float na0 = 1.f, na1 = 1.f, nb0 = 1.f, nb1 = 1.f;  // the next block's, loaded one block ahead
+  __device__ __forceinline__ void load(int kb) {
+    if (kb < nk) {
+      na0 = sa0 ? __ldcg(sa0 + kb) : 1.f;
+      na1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
+      nb0 = sb0 ? __ldg(sb0 + kb) : 1.f;
+      nb1 = sb1 ? __ldg(sb1 + kb) : 1.f;
+    }
+  }
+};
+__device__ __forceinline__ void fence_acc_half(float* d) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+// one half's group of block kb on stage st: A rows of this warpgroup, B rows [128 * half, +128)
+__device__ __forceinline__ void issue_fp8_half(const uint8_t* stage, int wgc, int half, float* d, bool first_block) {
+  const uint64_t da = make_smem_desc_sw128(stage + wgc * (64 * kBKf8));
+  const uint64_t db = make_smem_desc_sw128(stage + kATileBytes + half * (128 * kBKf8));
+  fence_acc_half(d);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kk = 0; kk < kBKf8 / 32; ++kk)
+    wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), d, !first_block || (kk > 0));
+  cute::warpgroup_commit_batch();
+  fence_acc_half(d);
+}
+// U blocks [k0, k0 + U) with nothing in flight on entry and on exit (see above).
+template <int U, class Smem, class Hook>
+__device__ __forceinline__ void fp8_split_blocks(const Params& P, int q, const Smem& sm, int wgc, int k0,
+                                                 Fp8SplitState& s, float* acc, int& st, uint32_t& ph,
+                                                 Hook& after_issue, uint64_t* issued, bool after_landing) {
+  const int lt = threadIdx.x & 127;
+  const bool signal = issued != nullptr && wgc == 0 && (lt & 31) == 0;
+  bool stalled = false;  // a stage wait timed out (recorded): trap once nothing is in flight
+  int prev = 0;
+#pragma unroll
+  for (int j = 0; j < U; ++j) {
+    const int kb = k0 + j;
+    const float a0 = s.na0, a1 = s.na1, b0 = s.nb0, b1 = s.nb1;
+    s.load(kb + 1);
+    const float fl0 = __fdividef(s.pa0 * s.pb0, a0 * b0), fl1 = __fdividef(s.pa1 * s.pb0, a1 * b0);
+    const float fh0 = __fdividef(s.pa0 * s.pb1, a0 * b1), fh1 = __fdividef(s.pa1 * s.pb1, a1 * b1);
+    MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
+    bool ok = mbar_wait_in_flight(P, &sm.full[st], ph, q, 4);
+    MOK_PROGRESS(0x26000000u | (unsigned)(kb & 0xFFFF));
+    if (issued != nullptr && wgc == 1) ok = mbar_wait_in_flight(P, &issued[st], ph, q, 7) && ok;
+    stalled |= !ok;
+    const uint8_t* stage = sm.stages + st * kStageBytes;
+    if (j > 0) {
+      cute::warpgroup_wait<1>();  // L of block kb-1 has landed, H of block kb-1 runs
+      fence_acc_half(acc);
+    }
+    // block 0: acc is discarded (its first WGMMA overwrites it). At j == 0 nothing is in flight and both
+    // halves are promoted here: ptxas injects a wait before an FMUL on registers that a WGMMA of an
+    // earlier loop iteration wrote while another group is in flight (C7517), even after a wait<0>.
+    rescale_half(acc, fl0, fl1);
+    if (j == 0) {
+      rescale_half(acc + 64, fh0, fh1);
+      fence_acc_half(acc + 64);  // the FMULs stay here, not sunk behind the first half's WGMMAs
+    }
+    issue_fp8_half(stage, wgc, 0, acc, kb == 0);
+    if (signal && !after_landing) Barrier::arrive(&issued[st]);
+    if (j > 0) {
+      cute::warpgroup_wait<1>();  // H of block kb-1 has landed, L of block kb runs
+      fence_acc_half(acc + 64);
+      if (signal && after_landing) Barrier::arrive(&issued[prev]);
+      if (lt == 0) release_stage(sm, prev);
+    }
+    if (j > 0) rescale_half(acc + 64, fh0, fh1);
+    issue_fp8_half(stage, wgc, 1, acc + 64, kb == 0);
+    after_issue(kb);
+    s.pa0 = a0; s.pa1 = a1; s.pb0 = b0; s.pb1 = b1;
+    prev = st;
+    if (++st == kStages) { st = 0; ph ^= 1u; }
+  }
+  cute::warpgroup_wait<0>();
+  fence_acc(acc);
+  if (stalled) fatal_trap();
+  if (signal && after_landing) Barrier::arrive(&issued[prev]);
+  if (lt == 0) release_stage(sm, prev);
+}
+template <int U, class Smem, class Hook>
+__device__ __forceinline__ void ffn_kloop_fp8_split(const Params& P, int q, const Smem& sm, int wgc, int nk,
+                                                    const float* sa0, const float* sa1, const float* sb0,
+                                                    const float* sb1, float* acc, int& st, uint32_t& ph,
+                                                    Hook& after_issue, uint64_t* issued, bool after_landing) {
+  Fp8SplitState s{sa0, sa1, sb0, sb1, nk};
+  s.load(0);
+  int kb = 0;
+  for (; kb + U <= nk; kb += U) fp8_split_blocks<U>(P, q, sm, wgc, kb, s, acc, st, ph, after_issue, issued, after_landing);
+  for (; kb < nk; ++kb) fp8_split_blocks<1>(P, q, sm, wgc, kb, s, acc, st, ph, after_issue, issued, after_landing);
+  rescale_half(acc, s.pa0 * s.pb0, s.pa1 * s.pb0);
+  rescale_half(acc + 64, s.pa0 * s.pb1, s.pa1 * s.pb1);
+}
+
+// The K loop a build holds (MOK_FP8_KLOOP, set by megatron_mok/kernel/build.py from the variable of the
+// same name: 0 one drained m64n256 group per K block, below; 2 pipelined halves, ffn_kloop_fp8_split). A
+// build-time choice: with both loops behind a runtime branch, their accumulators join and ptxas serialises
+// every wgmma (C7515).
+#ifndef MOK_FP8_KLOOP
+#define MOK_FP8_KLOOP 0
+#endif
+static_assert(MOK_FP8_KLOOP == 0 || MOK_FP8_KLOOP == 2, "MOK_FP8_KLOOP must be 0 or 2");
+
 template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
                                               const float* sa0, const float* sa1, const float* sb0,
                                               const float* sb1, float* acc, int& st, uint32_t& ph,
                                               Hook after_issue = Hook{}, uint64_t* issued = nullptr,
                                               bool after_landing = false) {
+  if constexpr (MOK_FP8_KLOOP == 2) {
+    ffn_kloop_fp8_split<2>(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, after_issue, issued, after_landing);
+    return;
+  }
   const int lt = threadIdx.x & 127;
   const bool no_drain = MOK_DBG(64);  // ablation build only (see above)
   if (no_drain) after_landing = false;
@@ -134,142 +262,6 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   if (lt == 0) release_stage(sm, prev);
   rescale_half(acc, pa0 * pb0, pa1 * pb0);
   rescale_half(acc + 64, pa0 * pb1, pa1 * pb1);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Pipelined halves (MOK_FP8_KLOOP = U in {2, 4}, P.fp8_kloop): the same sum as ffn_kloop_fp8, but each K
-// block is two groups of four m64n128k32 -- L (acc[0, 64): columns 0-127, weight scale block sb0) and H
-// (acc[64, 128): columns 128-255, sb1) -- and a half is promoted while the other half's group runs:
-//
-//   L_kb issued; wait<1> (H_kb-1 landed, L_kb runs); rescale H; H_kb issued; wait<1> (L_kb landed, H_kb
-//   runs); rescale L; L_kb+1 issued; ...
-//
-// so this warpgroup's tensor-core queue never empties for a promotion. ptxas tracks which group a
-// wait<1> retires only inside straight-line code: a group still in flight across a loop back edge makes it
-// serialise every wgmma of the kernel (C7514, measured in the third session's first try and again in a
-// proxy). So the loop runs U blocks unrolled per iteration and drains (wait<0>) once at its end: per U
-// blocks one drain and the promotion of one half (64 FMULs) are exposed, instead of U drains and U x 128
-// FMULs. A remainder of nk % U blocks runs one block per iteration. Same arithmetic per element as
-// ffn_kloop_fp8 (same FMULs, same MMAs per element), so the same bits.
-// The cost: A is read from smem twice per K step (once per half) instead of once.
-template <class Smem>
-struct Fp8SplitState {
-  const float *sa0, *sa1, *sb0, *sb1;
-  int nk;
-  float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the scales acc is in units of (the last block's)
-  float na0 = 1.f, na1 = 1.f, nb0 = 1.f, nb1 = 1.f;  // the next block's, loaded one block ahead
-  __device__ __forceinline__ void load(int kb) {
-    if (kb < nk) {
-      na0 = sa0 ? __ldcg(sa0 + kb) : 1.f;
-      na1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
-      nb0 = sb0 ? __ldg(sb0 + kb) : 1.f;
-      nb1 = sb1 ? __ldg(sb1 + kb) : 1.f;
-    }
-  }
-};
-__device__ __forceinline__ void fence_acc_half(float* d) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
-}
-// one half's group of block kb on stage st: A rows of this warpgroup, B rows [128 * half, +128)
-__device__ __forceinline__ void issue_fp8_half(const uint8_t* stage, int wgc, int half, float* d, bool first_block) {
-  const uint64_t da = make_smem_desc_sw128(stage + wgc * (64 * kBKf8));
-  const uint64_t db = make_smem_desc_sw128(stage + kATileBytes + half * (128 * kBKf8));
-  fence_acc_half(d);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int kk = 0; kk < kBKf8 / 32; ++kk)
-    wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), d, !first_block || (kk > 0));
-  cute::warpgroup_commit_batch();
-  fence_acc_half(d);
-}
-// U blocks [k0, k0 + U) with nothing in flight on entry and on exit (see above).
-template <int U, class Smem, class Hook>
-__device__ __forceinline__ void fp8_split_blocks(const Params& P, int q, const Smem& sm, int wgc, int k0,
-                                                 Fp8SplitState<Smem>& s, float* acc, int& st, uint32_t& ph,
-                                                 Hook& after_issue, uint64_t* issued, bool after_landing) {
-  const int lt = threadIdx.x & 127;
-  const bool signal = issued != nullptr && wgc == 0 && (lt & 31) == 0;
-  bool stalled = false;  // a stage wait timed out (recorded): trap once nothing is in flight
-  int prev = 0;
-#pragma unroll
-  for (int j = 0; j < U; ++j) {
-    const int kb = k0 + j;
-    const float a0 = s.na0, a1 = s.na1, b0 = s.nb0, b1 = s.nb1;
-    s.load(kb + 1);
-    const float fl0 = __fdividef(s.pa0 * s.pb0, a0 * b0), fl1 = __fdividef(s.pa1 * s.pb0, a1 * b0);
-    const float fh0 = __fdividef(s.pa0 * s.pb1, a0 * b1), fh1 = __fdividef(s.pa1 * s.pb1, a1 * b1);
-    MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
-    bool ok = mbar_wait_in_flight(P, &sm.full[st], ph, q, 4);
-    MOK_PROGRESS(0x26000000u | (unsigned)(kb & 0xFFFF));
-    if (issued != nullptr && wgc == 1) ok = mbar_wait_in_flight(P, &issued[st], ph, q, 7) && ok;
-    stalled |= !ok;
-    const uint8_t* stage = sm.stages + st * kStageBytes;
-    if (j > 0) {
-      cute::warpgroup_wait<1>();  // L of block kb-1 has landed, H of block kb-1 runs
-      fence_acc_half(acc);
-    }
-    // block 0: acc is discarded (its first WGMMA overwrites it). At j == 0 nothing is in flight and both
-    // halves are promoted here: ptxas injects a wait before an FMUL on registers that a WGMMA of an
-    // earlier loop iteration wrote while another group is in flight (C7517), even after a wait<0>.
-    rescale_half(acc, fl0, fl1);
-    if (j == 0) {
-      rescale_half(acc + 64, fh0, fh1);
-      fence_acc_half(acc + 64);  // the FMULs stay here, not sunk behind the first half's WGMMAs
-    }
-    issue_fp8_half(stage, wgc, 0, acc, kb == 0);
-    if (signal && !after_landing) Barrier::arrive(&issued[st]);
-    if (j > 0) {
-      cute::warpgroup_wait<1>();  // H of block kb-1 has landed, L of block kb runs
-      fence_acc_half(acc + 64);
-      if (signal && after_landing) Barrier::arrive(&issued[prev]);
-      if (lt == 0) release_stage(sm, prev);
-    }
-    if (j > 0) rescale_half(acc + 64, fh0, fh1);
-    issue_fp8_half(stage, wgc, 1, acc + 64, kb == 0);
-    after_issue(kb);
-    s.pa0 = a0; s.pa1 = a1; s.pb0 = b0; s.pb1 = b1;
-    prev = st;
-    if (++st == kStages) { st = 0; ph ^= 1u; }
-  }
-  cute::warpgroup_wait<0>();
-  fence_acc(acc);
-  if (stalled) fatal_trap();
-  if (signal && after_landing) Barrier::arrive(&issued[prev]);
-  if (lt == 0) release_stage(sm, prev);
-}
-template <int U, class Smem, class Hook = NoHook>
-__device__ __forceinline__ void ffn_kloop_fp8_split(const Params& P, int q, const Smem& sm, int wgc, int nk,
-                                                    const float* sa0, const float* sa1, const float* sb0,
-                                                    const float* sb1, float* acc, int& st, uint32_t& ph,
-                                                    Hook after_issue = Hook{}, uint64_t* issued = nullptr,
-                                                    bool after_landing = false) {
-  Fp8SplitState<Smem> s{sa0, sa1, sb0, sb1, nk};
-  s.load(0);
-  int kb = 0;
-  for (; kb + U <= nk; kb += U) fp8_split_blocks<U>(P, q, sm, wgc, kb, s, acc, st, ph, after_issue, issued, after_landing);
-  for (; kb < nk; ++kb) fp8_split_blocks<1>(P, q, sm, wgc, kb, s, acc, st, ph, after_issue, issued, after_landing);
-  rescale_half(acc, s.pa0 * s.pb0, s.pa1 * s.pb0);
-  rescale_half(acc + 64, s.pa0 * s.pb1, s.pa1 * s.pb1);
-}
-
-// The K loop this build holds (MOK_FP8_KLOOP, set by megatron_mok/kernel/build.py from the variable of the
-// same name: 0 one drained m64n256 group per K block, 2 pipelined halves). A build-time choice: with both
-// loops behind a runtime branch, their accumulators join and ptxas serialises every wgmma (C7515).
-#ifndef MOK_FP8_KLOOP
-#define MOK_FP8_KLOOP 0
-#endif
-static_assert(MOK_FP8_KLOOP == 0 || MOK_FP8_KLOOP == 2, "MOK_FP8_KLOOP must be 0 or 2");
-template <class Smem, class Hook = NoHook>
-__device__ __forceinline__ void ffn_kloop_fp8_any(const Params& P, int q, const Smem& sm, int wgc, int nk,
-                                                  const float* sa0, const float* sa1, const float* sb0,
-                                                  const float* sb1, float* acc, int& st, uint32_t& ph,
-                                                  Hook after_issue = Hook{}, uint64_t* issued = nullptr,
-                                                  bool after_landing = false) {
-  if constexpr (MOK_FP8_KLOOP == 2)
-    ffn_kloop_fp8_split<2>(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, after_issue, issued, after_landing);
-  else
-    ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, after_issue, issued, after_landing);
 }
 
 }  // namespace mok

@@ -62,20 +62,29 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
 // K loop; with the trap behind a call they get up to 224). Only the fatal timeout path calls it.
 static __device__ __noinline__ void fatal_trap() { __trap(); }
 
+// The bug guard of the internal barrier waits: spins until try_wait() holds; past slack * timeout + 1 s it
+// records kErrInternal (rank, barrier phase, `what`) and returns false. No call on any path: the callers
+// decide where to trap (mbar_wait_in_flight only once its WGMMA groups have landed).
+template <class TryWait>
+__device__ __forceinline__ bool spin_or_record(const Params& P, TryWait try_wait, unsigned long long slack,
+                                               uint32_t phase, int rank, int what) {
+  const unsigned long long t0 = globaltimer_ns();
+  const unsigned long long limit = P.timeout_ns * slack + 1000000000ull;
+  while (!try_wait()) {
+    if (globaltimer_ns() - t0 > limit) {
+      record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
+      __threadfence_system();
+      return false;
+    }
+  }
+  return true;
+}
+
 // Internal pipeline waits (producer <-> consumers of one CTA) never depend on other SMs directly:
 // on an abort the producer still publishes an "exit" tile, so these waits always complete unless
 // there is a bug. After slack * timeout they record kErrInternal and trap (context is lost).
 __device__ __forceinline__ void mbar_wait_slow(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
-  const unsigned long long t0 = globaltimer_ns();
-  const unsigned long long limit = P.timeout_ns * 4ull + 1000000000ull;
-  while (true) {
-    if (mbar_try_wait(bar, phase)) return;
-    if (globaltimer_ns() - t0 > limit) {
-      record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
-      __threadfence_system();
-      fatal_trap();
-    }
-  }
+  if (!spin_or_record(P, [&] { return mbar_try_wait(bar, phase); }, 4, phase, rank, what)) fatal_trap();
 }
 
 __device__ __forceinline__ void mbar_wait(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
@@ -87,17 +96,7 @@ __device__ __forceinline__ void mbar_wait(const Params& P, uint64_t* bar, uint32
 // path (a call there makes ptxas serialise every wgmma, C7511), so on a timeout it records the error and
 // returns false; the caller traps (fatal_trap) once its groups have landed.
 __device__ __forceinline__ bool mbar_wait_in_flight(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
-  if (mbar_try_wait(bar, phase)) return true;
-  const unsigned long long t0 = globaltimer_ns();
-  const unsigned long long limit = P.timeout_ns * 4ull + 1000000000ull;
-  while (!mbar_try_wait(bar, phase)) {
-    if (globaltimer_ns() - t0 > limit) {
-      record_error(P, kErrInternal, rank, -1, kPhasePipeline, phase, what, 0);
-      __threadfence_system();
-      return false;
-    }
-  }
-  return true;
+  return mbar_try_wait(bar, phase) || spin_or_record(P, [&] { return mbar_try_wait(bar, phase); }, 4, phase, rank, what);
 }
 
 // Grid-wide barrier (all CTAs co-resident: cooperative launch). Monotonic counter, n-th use.
