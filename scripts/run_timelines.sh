@@ -10,6 +10,7 @@
 #                    MOK_TL_OLD_SPECS variants (default: the plain fp8 and bf16 launches) run MOK_TL_OLD_REPS times
 #                    (default 2) in this tree and every old one, alternating (two launches of one build agree to
 #                    ~0.1 %), labelled new-<label>-<i> / <tree dir name>-<label>-<i>.
+#      MOK_TL_PREBUILD 0 skips building every variant in parallel first (default 1).
 #      OUT           log directory (default ./gpu_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +46,35 @@ run_one() {
   grep -E "span|fc1 tiles|fc2 tiles|per K block|schedule  |combine  " "$OUT/tl-$label.log" | sed 's/^/   /'
 }
 
+# build every (tree, env) variant at once before the launches (each build is one mostly single-threaded nvcc;
+# one after the other they would take most of a device call)
+prebuild() {
+  local combos=() c tree envs cache spec label config dtype
+  IFS=';' read -ra OLDP <<<"${MOK_TL_OLD_SPECS:-fp8|kimi-k2-fp8|fp8|;bf16|kimi-k2|bf16|}"
+  IFS=';' read -ra NEWP <<<"$SPECS"
+  for spec in "${NEWP[@]}" ${MOK_TL_OLD_TREE:+"${OLDP[@]}"}; do
+    IFS='|' read -r label config dtype envs <<<"$spec"
+    [ -n "$label" ] && combos+=("$PWD|$MOK_CACHE_DIR|$envs")
+  done
+  for tree in ${MOK_TL_OLD_TREE:-}; do
+    for spec in "${OLDP[@]}"; do
+      IFS='|' read -r label config dtype envs <<<"$spec"
+      [ -n "$label" ] && combos+=("$tree|$MOK_CACHE_DIR-$(basename "$tree")|$envs")
+    done
+  done
+  local t0=$SECONDS
+  for c in $(printf '%s\n' "${combos[@]}" | sort -u | tr ' ' '#'); do
+    IFS='|' read -r tree cache envs <<<"${c//#/ }"
+    # shellcheck disable=SC2086
+    (cd "$tree" && env $envs MOK_CACHE_DIR="$cache" PYTHONPATH="$MOK_SITE$PWD" timeout 300 python3 -c \
+      "from megatron_mok.kernel import build; build.build_library()" >"$OUT/prebuild-$(basename "$tree")-${envs// /_}.log" 2>&1) &
+  done
+  wait
+  echo "== prebuilt ${#combos[@]} variants (duplicates once) in $((SECONDS - t0)) s"
+}
+
 {
+  [ "${MOK_TL_PREBUILD:-1}" != "0" ] && prebuild
   if [ -n "${MOK_TL_OLD_TREE:-}" ]; then
     IFS=';' read -ra OLD <<<"${MOK_TL_OLD_SPECS:-fp8|kimi-k2-fp8|fp8|;bf16|kimi-k2|bf16|}"
     for i in $(seq 1 "${MOK_TL_OLD_REPS:-2}"); do
