@@ -16,16 +16,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_env.sh
 . scripts/device_env.sh
-DEFAULT_SPECS="fp8-order1|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=1;\
-fp8-order2|kimi-k2-fp8|fp8|MOK_FP8_ISSUE_ORDER=2;\
+DEFAULT_SPECS="fp8-order1|kimi-k2-fp8|fp8|MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=1;\
+fp8-order2|kimi-k2-fp8|fp8|MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=2;\
 fp8-cluster2|kimi-k2-fp8|fp8|MOK_CLUSTER=2;\
 bf16|kimi-k2|bf16|;\
 bf16-cluster2|kimi-k2|bf16|MOK_CLUSTER=2;\
 bf16-chunks4|kimi-k2|bf16|MOK_MACROBATCHES=4;\
-abl0-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ISSUE_ORDER=1;\
-abl32-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ISSUE_ORDER=1;\
-abl0-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ISSUE_ORDER=2;\
-abl32-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ISSUE_ORDER=2"
+abl0-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=1;\
+abl32-order1|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=1;\
+abl0-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=0 MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=2;\
+abl32-order2|kimi-k2-fp8|fp8|MOK_ABLATION=1 MOK_DEBUG=32 MOK_FP8_ORDERED=1 MOK_FP8_ISSUE_ORDER=2"
 SPECS="${MOK_TL_SPECS:-$DEFAULT_SPECS}"
 
 # one timeline launch: tree dir, label, config, dtype, env assignments; SM clock / power sampled meanwhile

@@ -28,7 +28,7 @@ def test_fp8_kloop_rejects(monkeypatch, bad):
 
 def test_fp8_ordered_default_and_choices(monkeypatch):
     monkeypatch.delenv("MOK_FP8_ORDERED", raising=False)
-    assert build.fp8_ordered() == build.FP8_ORDERED_DEFAULT == 1
+    assert build.fp8_ordered() == build.FP8_ORDERED_DEFAULT == 0
     for k in (0, 1):
         monkeypatch.setenv("MOK_FP8_ORDERED", str(k))
         assert build.fp8_ordered() == k

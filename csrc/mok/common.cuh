@@ -17,10 +17,11 @@
 
 // Build-time switches (megatron_mok/kernel/build.py sets them from the variables of the same name):
 // MOK_FP8_ORDERED 1 compiles in the FP8 K loop's issue-order barriers (the run-time knob MOK_FP8_ISSUE_ORDER
-// then picks 0 / 1 / 2), 0 leaves them out (a side-by-side H100 run found the code itself costing ~2.4 %:
-// scripts/NOTES-kernel.md, thirteenth session).
+// then picks 0 / 1 / 2), 0 (default) leaves them out: side by side on an H100 the code itself cost ~5 % with
+// order 0 and ~3 % with order 1 against the build without it (scripts/NOTES-kernel.md, thirteenth and
+// fourteenth sessions).
 #ifndef MOK_FP8_ORDERED
-#define MOK_FP8_ORDERED 1
+#define MOK_FP8_ORDERED 0
 #endif
 static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED must be 0 or 1");
 
@@ -179,6 +180,30 @@ struct Params {
   float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
   float* act_scale;                   // [nparts][S][slot_rows][F / 128]
 };
+
+// Optional forward features, compiled into an instance of the forward kernel (its template argument kFeat):
+// the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, and the one with all of
+// them (kFeatAll) otherwise. Each compiled-in feature's run-time tests and code sat in every launch's hot
+// paths: the FP8 forward with all of them compiled in and none used ran ~5 % slower than without them
+// (Kimi-K2 slice, side by side on an H100, scripts/NOTES-kernel.md fourteenth session).
+enum FwdFeature : int {
+  kFeatChunks = 1,    // token chunks (MOK_MACROBATCHES > 1: segments, early chunk sums)
+  kFeatCluster = 2,   // 2-CTA clusters (MOK_CLUSTER=2: paired producers, pass tiles, half-box w2 maps)
+  kFeatFastSilu = 4,  // the FP8 fc1 epilogue's tanh.approx SiLU (MOK_FP8_FAST_SILU=1)
+  kFeatAll = 7,
+};
+template <int kFeat>
+__host__ __device__ __forceinline__ bool feat_chunks(const Params& P) {
+  return (kFeat & kFeatChunks) && P.macrobatches > 1;
+}
+template <int kFeat>
+__host__ __device__ __forceinline__ bool feat_cluster(const Params& P) {
+  return (kFeat & kFeatCluster) && P.cluster > 1;
+}
+template <int kFeat>
+__host__ __device__ __forceinline__ bool feat_fast_silu(const Params& P) {
+  return (kFeat & kFeatFastSilu) && P.fp8_fast_silu;
+}
 
 // Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.
 __host__ __device__ __forceinline__ int part(const Params& P, int q) { return q - P.rank0; }

@@ -136,7 +136,7 @@ __device__ __forceinline__ void publish_tile(const Params& P, int q, const Compu
 // (2-CTA clusters, a unit whose two tiles share the weight tile) this CTA loads its activations and half
 // `share` of the weight tile, the latter multicast into both CTAs (the partner loads the other half).
 // A pass tile (kind 3) only moves the stages round: its consumers release them without reading.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ __forceinline__ void stream_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int share,
                                             int& st, uint32_t& ph) {
   if (ti.kind == 3) {
@@ -169,7 +169,7 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
     } else if (ti.kind == 1) {
       tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kFc1ActCols);
       tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kFc1ActCols);
-    } else if (P.cluster > 1) {  // a clustered launch's w2 maps have half-tile boxes (128 rows)
+    } else if (feat_cluster<kFeat>(P)) {  // a clustered launch's w2 maps have half-tile boxes (128 rows)
       tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
       tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kBN + kBN / 2);
     } else {
@@ -180,7 +180,7 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
 }
 
 // ------------------------------------------------------------------------------------------------
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
   const int NS = P.nseg;  // processing-order segments (B = 1: the experts)
@@ -236,7 +236,7 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
         break;
       }
       const int e = sg % L;  // segment sg runs local expert sg % L
-      const int lrow0 = P.macrobatches > 1 ? sm.lrow[sg] + (row0 - sm.off[sg]) : row0;
+      const int lrow0 = feat_chunks<kFeat>(P) ? sm.lrow[sg] + (row0 - sm.off[sg]) : row0;
       prefetch_tile_maps(P, q * L + e, kind);
       if (!wait_tile_inputs(P, q, kind, mb, mt)) break;  // abort: publish exit
       fence_proxy_async_global();
@@ -247,7 +247,7 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
     }
     publish_tile(P, q, sm, ti, ii, iph);
     if (ti.kind == 0) return;
-    stream_tile<kFp8>(P, q, sm, ti, -1, st, ph);
+    stream_tile<kFp8, kFeat>(P, q, sm, ti, -1, st, ph);
   }
 }
 
@@ -327,7 +327,7 @@ __device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm,
     }
     publish_tile(P, q, sm, ti, ii, iph);
     if (ti.kind == 0) return;
-    stream_tile<kFp8>(P, q, sm, ti, pu.share_b ? crank : -1, st, ph);
+    stream_tile<kFp8, kFeatAll>(P, q, sm, ti, pu.share_b ? crank : -1, st, ph);
   }
 }
 
@@ -356,7 +356,7 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
 }
 
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
   const int lt = threadIdx.x & 127;
   const int warp_in_wg = lt >> 5, lane = lt & 31;
@@ -392,7 +392,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       act_rel.flush(wg_bar, lt);
       break;
     }
-    if (ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
+    if (feat_cluster<kFeat>(P) && ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
       skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && MOK_FP8_ORDERED && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
@@ -524,7 +524,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r_lo + 8 * h;
-        if (P.fp8_fast_silu) swiglu_row(h, [](float g) { return silu_tanh_f(g); });
+        if (feat_fast_silu<kFeat>(P)) swiglu_row(h, [](float g) { return silu_tanh_f(g); });
         else swiglu_row(h, [](float g) { return silu_f(g); });
         const bool ok = r < ti.rows && !MOK_DBG(4);
         uint8_t* dst = ok ? reinterpret_cast<uint8_t*>(P.act) + (srow + r) * F + ti.nt * kFc1ActCols : nullptr;
@@ -573,9 +573,9 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 
 // ------------------------------------------------------------------------------------------------
 // Returns true if this CTA's consumer threads should go on to the final combine reduce.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
-  const bool paired = P.cluster > 1;  // 2-CTA cluster: the partner CTA shares this one's stage ring (cluster_pair.cuh)
+  const bool paired = feat_cluster<kFeat>(P);  // 2-CTA cluster: the partner CTA shares this one's stage ring (cluster_pair.cuh)
   const int crank = paired ? (int)cluster_cta_rank() : 0;
   ComputeSmem sm_ = carve_smem(smem);
   if (paired) sm_.peer = crank ^ 1;
@@ -596,9 +596,9 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   }
   {  // the processing-order segment table (B = 1: the expert offsets) and, with token chunks, layout rows
     const int ns = P.nseg;
-    const int* so = seg_table(P, q);
+    const int* so = seg_table<kFeat>(P, q);
     for (int e = threadIdx.x; e <= ns; e += blockDim.x) sm.off[e] = so[e];
-    if (P.macrobatches > 1)
+    if (feat_chunks<kFeat>(P))
       for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
   }
   __syncthreads();
@@ -614,7 +614,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     if (threadIdx.x < 32) {  // warp 0: lane 0 is the producer
       if (threadIdx.x == 0) {
         if (paired) ffn_producer_pair<kFp8>(P, q, sm, crank);
-        else ffn_producer<kFp8>(P, q, sm);
+        else ffn_producer<kFp8, kFeat>(P, q, sm);
         MOK_PROGRESS(0x1F000000u);
       }
       if (paired) {  // the whole warp arrives (the cluster barrier is per warp: cluster_pair.cuh) once the
@@ -626,13 +626,13 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       // warps wait for compute, which waits for this phase below)
       if (paired) cluster_arrive_relaxed();
       MOK_PROGRESS(0x06000000u);
-      if (P.comm_sms == 0) insm_pull_role<kFp8>(P, q, sm.pull_flag);
+      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag);
       MOK_PROGRESS(0x07000000u);
     }
     return false;
   } else {
     setmaxnreg_inc<224>();
-    ffn_consumer<kFp8>(P, q, sm, wg - 1);
+    ffn_consumer<kFp8, kFeat>(P, q, sm, wg - 1);
     MOK_PROGRESS(0x28000000u);
     if (paired) {  // no remote arrival or multicast may reach this CTA's shared memory once it has exited
       __syncwarp();

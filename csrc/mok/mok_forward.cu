@@ -52,7 +52,7 @@ __device__ __forceinline__ bool wait_all_computed(const Params& P, int q, int n_
 
 // kFp8: e4m3 operands with 1 x 128 / 128 x 128 block scales (kernel.dtype fp8): the pull quantises x
 // into the ring slot, the fc1 epilogue quantises the SwiGLU output; everything else is shared.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_constant__ Params P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
   MOK_PROGRESS(0x01000000u);
-  if (P.cluster > 1) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
+  if (feat_cluster<kFeat>(P)) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
   MOK_PROGRESS(0x02000000u | (go ? 1u : 0u));
   if (!go) return;
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
@@ -90,10 +90,10 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
   // token chunks (B > 1): the early sums of chunks 0 .. B-2 start before (chunk_sums); the final sum takes
   // what they left and chunk B-1 (sum_all_chunks)
-  const bool chunked = P.macrobatches > 1;
+  const bool chunked = feat_chunks<kFeat>(P);
   const int last_chunk = chunked ? P.macrobatches - 1 : 0;
   if (local < P.comm_sms) {
-    if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
+    if (!dispatch_role<kFp8, kFeat>(P, q, local, &s_flag)) return;
     // (an abort inside is recorded in P.err: the wait below then fails for every thread of the CTA)
     if (chunked && !MOK_DBG(1)) chunk_sums<2, 8>(P, q);
     if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
@@ -109,9 +109,9 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
       if (threadIdx.x == 0) timeline_record(P, kTlCombine, (unsigned)last_chunk, t0, globaltimer_ns());
     }
   } else {
-    compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
+    compute_pulls_first_minibatch<kFp8, kFeat>(P, q, local);  // every SM helps with the first slot
     MOK_PROGRESS(0x03000000u);
-    if (!compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
+    if (!compute_role<kFp8, kFeat>(P, q, smem)) return;  // producer warpgroup leaves here
     MOK_PROGRESS(0x30000000u);
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
@@ -336,6 +336,10 @@ int mok_forward_check(const MokLaunchArgs* a, char* errbuf, int errlen) { return
 
 const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
 
+// Whether this library carries the FP8 issue-order code (build-time MOK_FP8_ORDERED; without it only
+// MOK_FP8_ISSUE_ORDER=0 launches): tests of orders 1 / 2 ask before running.
+int mok_fp8_ordered_build() { return MOK_FP8_ORDERED; }
+
 int mok_smem_bytes(int E) {
   return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
 }
@@ -382,9 +386,18 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
                      np, num_sms, cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
-  const int v = a->fp8 ? 1 : 0;
-  auto kernel = v ? mok::mok_forward_kernel<true> : mok::mok_forward_kernel<false>;
-  static int cached_smem[2][64] = {{0}}, cached_blocks[2][64] = {{0}};  // per variant and device: set once per size
+  // The lean kernel instance unless this launch uses an optional feature (common.cuh: FwdFeature)
+  int fast_silu = 0;
+  if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &fast_silu))  // expert_ffn.cuh: silu_tanh_f
+    return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
+  const bool featured = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu);
+  const int v = (a->fp8 ? 1 : 0) + (featured ? 2 : 0);
+  using KernelFn = void (*)(const mok::Params);
+  static const KernelFn kernels[4] = {mok::mok_forward_kernel<false, 0>, mok::mok_forward_kernel<true, 0>,
+                                      mok::mok_forward_kernel<false, mok::kFeatAll>,
+                                      mok::mok_forward_kernel<true, mok::kFeatAll>};
+  const KernelFn kernel = kernels[v];
+  static int cached_smem[4][64] = {{0}}, cached_blocks[4][64] = {{0}};  // per variant and device: set once per size
   const int dslot = a->device & 63;
   if (cached_smem[v][dslot] != smem) {
     MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -419,7 +432,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     attr[nattr].val.clusterDim.z = 1;
     ++nattr;
     // Co-residency of whole clusters: the GPCs must hold np * cpr / 2 pairs at once (cached per size).
-    static int cached_csmem[2][64] = {{0}}, cached_clusters[2][64] = {{0}};
+    static int cached_csmem[4][64] = {{0}}, cached_clusters[4][64] = {{0}};
     if (cached_csmem[v][dslot] != smem) {
       cfg.attrs = attr + nattr - 1;  // the cluster dimension alone
       cfg.numAttrs = 1;
@@ -546,8 +559,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
     // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
     if (!fp8_issue_order_knob(&P.fp8_issue_order, errbuf, errlen)) return 1;
-    if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &P.fp8_fast_silu))  // expert_ffn.cuh: silu_tanh_f
-      return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
+    P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;

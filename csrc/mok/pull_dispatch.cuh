@@ -54,16 +54,16 @@ constexpr int kInSmPullWarps = 3;      // warps 1-3 of the producer warpgroup
 constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3: one consumer warpgroup)
 
 // Warps gw, gw + stride, ... of a CTA pull layout rows [a, b) of minibatch i into its ring slot.
-template <bool kFp8, int U = kPullUnroll>
+template <bool kFp8, int U = kPullUnroll, int kFeat = kFeatAll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
-  const int* off = seg_table(P, q);
+  const int* off = seg_table<kFeat>(P, q);
   const int ns = P.nseg;
   const int H = P.H;
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
   const int a = mb_begin(off, ns, P.minibatch, i), b = mb_begin(off, ns, P.minibatch, i + 1);
   for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {  // processing-order rows
-    const int lr = layout_row(P, q, off, row);
+    const int lr = layout_row<kFeat>(P, q, off, row);
     const int2 src = layout[lr];
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
     const long long r = slot_row(P, q, i, a, row, lr);
@@ -97,17 +97,17 @@ __device__ __forceinline__ void publish_pulled(const Params& P, int q, int i) {
 }
 
 // A compute CTA's share of minibatch 0 (all 384 threads, before its pipeline starts).
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ __forceinline__ void compute_pulls_first_minibatch(const Params& P, int q, int local) {
   const int warp = threadIdx.x >> 5;
-  pull_rows<kFp8>(P, q, 0, local * kWarps + warp, P.ctas_per_rank * kWarps);
+  pull_rows<kFp8, kPullUnroll, kFeat>(P, q, 0, local * kWarps + warp, P.ctas_per_rank * kWarps);
   fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
   __syncthreads();
   if (threadIdx.x == 0) publish_pulled(P, q, 0);
 }
 
 // Returns false if the kernel is aborting.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];  // rows of the owner (any segment order)
   const int nmb = num_minibatches(N, P.minibatch);
@@ -121,7 +121,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
     }
     const unsigned long long t0 = globaltimer_ns();
     // minibatch 0: this CTA's share among all ctas_per_rank CTAs (compute_pulls_first_minibatch)
-    pull_rows<kFp8>(P, q, i, gw, (i == 0 ? P.ctas_per_rank : P.comm_sms) * kWarps);
+    pull_rows<kFp8, kPullUnroll, kFeat>(P, q, i, gw, (i == 0 ? P.ctas_per_rank : P.comm_sms) * kWarps);
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -138,7 +138,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
 // except through the ready counters, which earlier tickets' tiles fill, so there is no cycle.
 // s_flag: one int of smem the three warps share. The CTA's index is recomputed here, not passed down:
 // a value kept live across the consumers' code costs them a spilled register.
-template <bool kFp8>
+template <bool kFp8, int kFeat>
 __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
   const int local = (int)(blockIdx.x % (unsigned)P.ctas_per_rank);
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
@@ -155,7 +155,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
     }
     MOK_PROGRESS(0x09000000u | (unsigned)(i & 0xFFFFFF));  // pulling minibatch i
     const unsigned long long t0 = globaltimer_ns();
-    pull_rows<kFp8, kInSmPullUnroll<kFp8>>(P, q, i, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
+    pull_rows<kFp8, kInSmPullUnroll<kFp8>, kFeat>(P, q, i, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     named_bar_sync(kInSmPullBarrier, kThreadsPulling);
     if (leader) {
@@ -164,7 +164,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
     }
   }
   // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
-  if (P.macrobatches > 1 && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
+  if (feat_chunks<kFeat>(P) && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
 }
 
 }  // namespace mok

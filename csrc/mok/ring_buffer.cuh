@@ -103,13 +103,15 @@ __host__ __device__ __forceinline__ int mb_begin(const int* off, int L, int M, i
 
 // Processing-order segment table of owner q (offsets [nseg + 1]; segment s runs local expert s % L):
 // B = 1 the expert offsets themselves, B > 1 the (token chunk, expert) segments (schedule_place).
+template <int kFeat = kFeatAll>
 __device__ __forceinline__ const int* seg_table(const Params& P, int q) {
-  return P.macrobatches > 1 ? P.seg_off + (long long)part(P, q) * (P.nseg + 1) : P.expert_off + part(P, q) * (P.L + 1);
+  return feat_chunks<kFeat>(P) ? P.seg_off + (long long)part(P, q) * (P.nseg + 1) : P.expert_off + part(P, q) * (P.L + 1);
 }
 
 // Layout row of processing-order row v of owner q (off = seg_table(P, q)); B = 1: v itself.
+template <int kFeat = kFeatAll>
 __device__ __forceinline__ int layout_row(const Params& P, int q, const int* off, int v) {
-  if (P.macrobatches <= 1) return v;
+  if (!feat_chunks<kFeat>(P)) return v;
   int lo = 0, hi = P.nseg - 1;  // the segment holding v: the last s with off[s] <= v (empty ones come earlier)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;

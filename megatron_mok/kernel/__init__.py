@@ -38,6 +38,7 @@ __all__ = [
     "check_last_error",
     "check_pending_errors",
     "compile_only",
+    "fp8_issue_order_built",
     "is_available",
     "mok_forward_emulated",
     "mok_forward_rank",
@@ -55,6 +56,12 @@ def compile_only(output=None, verbose: bool = False):
     from .build import compile_only as _c
 
     return _c(output=output, verbose=verbose)
+
+
+def fp8_issue_order_built() -> bool:
+    """Whether the loaded library carries the FP8 issue-order code (built with MOK_FP8_ORDERED=1), so that
+    MOK_FP8_ISSUE_ORDER 1 / 2 launch; the default build leaves it out (order 0 only)."""
+    return bool(_load_library().mok_fp8_ordered_build())
 
 
 def _load_library():

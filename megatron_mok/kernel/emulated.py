@@ -170,6 +170,8 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_device_info.restype = ctypes.c_int
         lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.mok_version.restype = ctypes.c_char_p
+        lib.mok_fp8_ordered_build.restype = ctypes.c_int
+        lib.mok_fp8_ordered_build.argtypes = []
         _lib = lib
         return lib
 

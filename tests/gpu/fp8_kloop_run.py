@@ -35,8 +35,9 @@ def main(path: str) -> None:
         kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
         o, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
         comb = [c.view(T, K, H) for c, T in zip(comb, Ts)]
+        bkw = dict(kw, comm_sms=max(comm, 1))  # the backward has no in-SM pull: >= 1 comm SM
         gx, gw, g1, g2 = backward.mok_backward_emulated(
-            go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, timeout_ms=4000.0, **kw
+            go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, timeout_ms=4000.0, **bkw
         )
         torch.cuda.synchronize()
         out[n] = {
