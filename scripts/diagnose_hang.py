@@ -9,6 +9,8 @@ thread, the rest of warpgroup 0 and each consumer warp's lane 0, grouped into th
 exits without synchronising (the caller's timeout ends the process).
 
     MOK_CLUSTER=2 python3 scripts/diagnose_hang.py --dtype fp8 --comm 0
+
+(The normal build refuses MOK_CLUSTER=2 with comm 0, the stall this reproduces; the ablation build lets it run.)
 """
 
 from __future__ import annotations

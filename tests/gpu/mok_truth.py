@@ -302,7 +302,7 @@ def exact_fp32_grads(x, topk_idx, topk_weight, w1, w2, grad_out):
 KEPT_AND_BACKWARD = ("out", "kept x", "kept act", "saved h", "grad_x", "dW1[0]")
 
 
-def kept_rows_and_backward(kernel, monkeypatch, knob: str, values) -> dict:
+def kept_rows_and_backward(kernel, monkeypatch, knob: str, values, comm_sms: int = 0) -> dict:
     """The forward with kept rows and the saved fc1 output, then the backward on top of them, once per value
     of the launcher knob ``knob`` (an environment variable): value -> the KEPT_AND_BACKWARD tensors of rank 0
     (kept rows past the routed ones are never written: NaN, compared as 7). Bit-for-bit comparisons of a knob
@@ -313,7 +313,7 @@ def kept_rows_and_backward(kernel, monkeypatch, knob: str, values) -> dict:
     L, H, F, K, T = 3, 512, 384, 4, 1400
     x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
     rows = T * K
-    cfg = dict(comm_sms=0, ring_slots=2, minibatch_tokens=192)
+    cfg = dict(comm_sms=comm_sms, ring_slots=2, minibatch_tokens=192)
     res = {}
     for v in values:
         keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
