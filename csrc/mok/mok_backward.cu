@@ -450,7 +450,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   {
     const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
     P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
-    if (!fp8_issue_order_knob(&B.fp8_issue_order, errbuf, errlen)) return 1;  // FP8 dgrad: as the forward
+    if (!fp8_issue_order_knob(&B.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;  // FP8 dgrad: as the forward
   }
 
   MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));

@@ -564,7 +564,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
       return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
     // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
     // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
-    if (!fp8_issue_order_knob(&P.fp8_issue_order, errbuf, errlen)) return 1;
+    if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;
     P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;

@@ -80,7 +80,7 @@ def test_cluster_pairs_give_the_same_bits(kernel, monkeypatch, dtype, R, comm, m
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("H", [256, 128, 64])
-@pytest.mark.parametrize("order", ["1", "2"])
+@pytest.mark.parametrize("order", ["0", "1", "2"])
 def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
     """F 128: one n-tile per stage, so an odd segment's last row block is a unit with a pass (the second CTA's
     stages go round without data; with the FP8 issue order its first warpgroup still moves the `issued`
@@ -88,7 +88,7 @@ def test_cluster_pairs_odd_n_tiles_pass(kernel, monkeypatch, dtype, H, order):
     the second 128-row half of W2's tile lies wholly past H (TMA fills it with zeros and counts its bytes)."""
     if dtype == "fp8" and H % 128:
         pytest.skip("fp8 needs H % 128 == 0")
-    if dtype == "bf16" and order == "2":
+    if dtype == "bf16" and order != "0":
         pytest.skip("the issue order is an FP8 knob")
     if dtype == "fp8" and order != "0" and not kernel.fp8_issue_order_built():
         pytest.skip("issue orders 1 / 2 need a build with MOK_FP8_ORDERED=1")

@@ -23,14 +23,14 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert b"mok_fp8_gemm_kernel" in data
 
 
-@pytest.mark.parametrize("kloop,ordered", [(0, 1), (2, 1), (0, 0)])
+@pytest.mark.parametrize("kloop,ordered", [(0, 0), (2, 0), (0, 1), (2, 1)])
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_no_wgmma_is_serialised(which, kloop, ordered, monkeypatch):
     """ptxas serialises every wgmma of a kernel (warnings C7514 / C7515) when a non-wgmma instruction
     writes accumulator registers inside a pipeline stage -- the FP8 forward lost 10 % that way to one
     branch (expert_ffn.cuh: skip_kloop). The shipped libraries must compile without it, with either FP8 K
-    loop (MOK_FP8_KLOOP: the pipelined halves lean on ptxas tracking which group a wait<1> retires) and with
-    the issue-order code left out (MOK_FP8_ORDERED=0)."""
+    loop (MOK_FP8_KLOOP: the pipelined halves lean on ptxas tracking which group a wait<1> retires), with the
+    issue-order code left out (MOK_FP8_ORDERED=0, the default) or compiled in."""
     from megatron_mok.kernel import backward, build
 
     monkeypatch.setenv("MOK_FP8_KLOOP", str(kloop))
