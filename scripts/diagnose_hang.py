@@ -86,14 +86,19 @@ def main() -> int:
         from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
         kw["fp8"] = quantize_expert_weights(w1, w2)
+    kernel.build_library()  # the (ablation) library is built and loaded before the clock starts
+    kernel.is_available()
     torch.cuda.synchronize()
     buf = ProgressBuffer()
     done = torch.cuda.Event()
-    t0 = time.time()
+    t_launch = time.time()
     print("launching", flush=True)
     kernel.mok_forward_emulated(x, idx, wts, w1, w2, check=False, timeline=buf, timeout_ms=args.timeout_ms, **kw)
     done.record()
-    print(f"launch returned after {time.time() - t0:.2f} s", flush=True)
+    # the wait runs from the launch's return: a first launch that built the library (the fourteenth session
+    # found the twelfth's snapshot read at once, CTA by CTA, instead of after --wait) must not eat it up
+    t0 = time.time()
+    print(f"launch returned after {t0 - t_launch:.2f} s", flush=True)
     while time.time() - t0 < args.wait:
         if done.query():
             print(f"completed in < {time.time() - t0:.1f} s; last codes:")

@@ -16,8 +16,9 @@
 //   * cluster barrier: after the barrier init (the partner's remote arrivals need initialised barriers) and
 //     before a CTA exits (no remote arrival or multicast may target an exited CTA's shared memory). It counts
 //     whole warps (see cluster_arrive): the producer's warp arrives with it once it is done; the warps that
-//     never touch the partner's shared memory (the in-SM pull warps) arrive on the second phase at once, so
-//     nobody waits for them (they themselves wait for compute to end: a cycle otherwise).
+//     never touch the partner's shared memory (warps 1-3) arrive on the second phase once their in-SM pulls
+//     are over (at once without them): an arrival left pending while they pulled stalled the pulls
+//     (expert_ffn.cuh: compute_role).
 #pragma once
 #include "common.cuh"
 #include "gemm_sm90.cuh"

@@ -622,11 +622,21 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
         cluster_arrive();
       }
     } else {
-      // warps 1-3 never touch the partner's shared memory: they arrive at once (cluster_pair.cuh: the pull
-      // warps wait for compute, which waits for this phase below)
-      if (paired) cluster_arrive_relaxed();
+      // warps 1-3 never touch the partner's shared memory. With the in-SM pull they arrive on the cluster
+      // barrier's last phase only once their pulls are over: an arrival left pending while they ran their
+      // named barriers kept every cluster whose compute had not ended from publishing its pulls -- the stall
+      // counts of the clustered in-SM runs (44, 52, 12, 30 of 132 / 66) are exactly twice the pairs that
+      // could end without minibatch 1 (fourteenth session's analysis, to be confirmed on a GPU). Their pulls
+      // wait only for earlier minibatches' tiles, which the consumers waiting on this phase have finished.
       MOK_PROGRESS(0x06000000u);
-      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag);
+      auto arrive = [&] {
+        if (paired) {
+          __syncwarp();
+          cluster_arrive_relaxed();
+        }
+      };
+      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag, arrive);
+      else arrive();
       MOK_PROGRESS(0x07000000u);
     }
     return false;

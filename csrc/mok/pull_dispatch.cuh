@@ -87,7 +87,9 @@ template <int kFeat>
 __device__ __forceinline__ bool wait_slot_free(const Params& P, int q, int i) {
   const int S = P.ring_slots;
   if (i < S) return true;
-  return wait_mb_done<kFeat>(P, q, i - S, kPhaseSlotFree);
+  // (the segment table through the run-time test, not kFeat: threading kFeat here raised the lean bf16
+  // instance's spill loads from 128 to 276 bytes, not timed; a lean launch has macrobatches 1 either way)
+  return wait_mb_done(P, q, i - S, kPhaseSlotFree);
 }
 
 // Publish minibatch i's share of this CTA (the caller fenced its writes and synchronised its warps).
@@ -139,8 +141,10 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
 // except through the ready counters, which earlier tickets' tiles fill, so there is no cycle.
 // s_flag: one int of smem the three warps share. The CTA's index is recomputed here, not passed down:
 // a value kept live across the consumers' code costs them a spilled register.
-template <bool kFp8, int kFeat>
-__device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
+// pulls_done() runs once the pulls are over (every minibatch published, or an abort), before the token
+// chunks' sums (2-CTA clusters: the warps' arrival on the cluster barrier, expert_ffn.cuh: compute_role).
+template <bool kFp8, int kFeat, class Done>
+__device__ void insm_pull_role(const Params& P, int q, int* s_flag, Done pulls_done) {
   const int local = (int)(blockIdx.x % (unsigned)P.ctas_per_rank);
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
   const int nmb = num_minibatches(N, P.minibatch);
@@ -152,7 +156,10 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
     if (i >= P.ring_slots) {
       if (leader) *s_flag = wait_slot_free<kFeat>(P, q, i) ? 1 : 0;
       named_bar_sync(kInSmPullBarrier, kThreadsPulling);
-      if (!*s_flag) return;
+      if (!*s_flag) {
+        pulls_done();
+        return;
+      }
     }
     MOK_PROGRESS(0x09000000u | (unsigned)(i & 0xFFFFFF));  // pulling minibatch i
     const unsigned long long t0 = globaltimer_ns();
@@ -164,6 +171,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
       publish_pulled(P, q, i);
     }
   }
+  pulls_done();
   // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
   if (feat_chunks<kFeat>(P) && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
 }
