@@ -21,6 +21,11 @@ from mok_truth import KEPT_AND_BACKWARD, ground_truth, kept_rows_and_backward, m
 
 pytestmark = pytest.mark.gpu
 
+# Clusters with the in-SM pull (comm_sms 0) are refused by the normal build until the fix of their stall
+# (warps 1-3's late cluster arrival, expert_ffn.cuh: compute_role) is confirmed on a GPU; the ablation build
+# (MOK_ABLATION=1: scripts/run_gpu_suite.sh runs this file's "insm" cases once more with it) lets them run.
+INSM = os.environ.get("MOK_ABLATION") == "1"
+
 
 def _launch(kernel, monkeypatch, cluster, *args, env=(), **kw):
     monkeypatch.setenv("MOK_CLUSTER", str(cluster))
@@ -64,7 +69,7 @@ def _same(kernel, monkeypatch, case, kw, env=(), saved_h=True):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("R", [1, 2, 4])
-@pytest.mark.parametrize("comm", [2, 4], ids=["comm2", "comm4"])
+@pytest.mark.parametrize("comm", [0, 2, 4] if INSM else [2, 4], ids=lambda c: "insm" if c == 0 else f"comm{c}")
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1", "one"])
 def test_cluster_pairs_give_the_same_bits(kernel, monkeypatch, dtype, R, comm, mode):
     """H 512 / F 256: two n-tiles per stage (all units pair row blocks or n-tiles); R = 4 gives 33 SMs per
@@ -195,8 +200,9 @@ def test_cluster_knob_refusals(kernel, monkeypatch):
     for bad in ("0", "3", "two"):
         with pytest.raises(errors, match="MOK_CLUSTER must be 1 or 2"):
             _launch(kernel, monkeypatch, bad, x, idx, wts, w1, w2, comm_sms=2, **kw)
-    with pytest.raises(errors, match=r"MOK_CLUSTER=2 does not run with the in-SM pull yet \(comm_sms=0"):
-        _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=0, **kw)
+    if not INSM:
+        with pytest.raises(errors, match=r"MOK_CLUSTER=2 does not run with the in-SM pull yet \(comm_sms=0"):
+            _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=0, **kw)
     with pytest.raises(errors, match="comm_sms=3 must be even"):
         _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=3, **kw)
     with pytest.raises(errors, match="ctas_per_rank=65 must be even"):
