@@ -254,7 +254,7 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   const int C = cluster_size();
   if (C < 1) return !write_err(eb, el, "MOK_CLUSTER must be 1 or 2, got '%s'", getenv("MOK_CLUSTER"));
 #ifndef MOK_ABLATION  // the ablation build lets it through: scripts/diagnose_hang.py reproduces the stall with it
-  if (C > 1 && a->comm_sms == 0)  // known stall, not yet diagnosed (scripts/NOTES-kernel.md, twelfth session)
+  if (C > 1 && a->comm_sms == 0)  // stalled; refused until the fix (expert_ffn.cuh: compute_role) runs on a GPU
     return !write_err(eb, el,
                       "MOK_CLUSTER=2 does not run with the in-SM pull yet (comm_sms=0: a third of the pairs' pulls "
                       "stall); set an even comm_sms >= 2 or MOK_CLUSTER=1");
@@ -562,8 +562,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                        getenv("MOK_CONSUMER_LEAD_NS"));
     if (!env_choice("MOK_CONSUMER_SYNC", 0, 0, 1, &P.consumer_sync))  // lock-step consumers
       return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
-    // fp8 ordered issue (fp8_kloop.cuh), on: the fp8 forward without it took 1.029-1.044x as long (shuffled
-    // interleaved A/B on the H200, scripts/NOTES-kernel.md ninth session); 2 = after landing (not yet timed)
+    // fp8 ordered issue (fp8_kloop.cuh): only in a MOK_FP8_ORDERED=1 build, whose code cost more than order 1
+    // gained (scripts/NOTES-kernel.md, fourteenth session)
     if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;
     P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }

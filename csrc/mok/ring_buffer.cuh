@@ -131,10 +131,9 @@ __device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int
 
 // Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout
 // (slack: secondary waiters wait longer, so the stalled stage's own waiter reports first).
-template <int kFeat = kFeatAll>
 __device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase, int slack = 1) {
   const int M = P.minibatch, ns = P.nseg;
-  const int* off = seg_table<kFeat>(P, q);
+  const int* off = seg_table(P, q);
   const unsigned need =
       (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, ns, mb_begin(off, ns, M, i), mb_begin(off, ns, M, i + 1)));
   return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase, slack);
