@@ -136,13 +136,13 @@ def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "0")
     o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
     monkeypatch.delenv("MOK_FP8_ISSUE_ORDER")
-    envs = [
-        {},  # the build's default (order 1 with the issue-order code, else 0)
+    envs: list[dict[str, str]] = [
         {"MOK_CONSUMER_LEAD_NS": "1500", "MOK_FP8_ISSUE_ORDER": "0"},
         {"MOK_CONSUMER_SYNC": "1", "MOK_FP8_ISSUE_ORDER": "0"},
     ]
     if kernel.fp8_issue_order_built():
         envs += [
+            {},  # this build's default, order 1 (in the default build unset is order 0, the reference itself)
             {"MOK_FP8_ISSUE_ORDER": "1"},
             {"MOK_FP8_ISSUE_ORDER": "2"},
             {"MOK_FP8_ISSUE_ORDER": "1", "MOK_CONSUMER_SYNC": "1", "MOK_CONSUMER_LEAD_NS": "1500"},
