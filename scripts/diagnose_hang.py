@@ -10,7 +10,7 @@ exits without synchronising (the caller's timeout ends the process).
 
     MOK_CLUSTER=2 python3 scripts/diagnose_hang.py --dtype fp8 --comm 0
 
-(The normal build refuses MOK_CLUSTER=2 with comm 0, the stall this reproduces; the ablation build lets it run.)
+(The clusters' in-SM stall it was written for is fixed since the fifteenth session.)
 """
 
 from __future__ import annotations

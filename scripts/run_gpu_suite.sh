@@ -2,8 +2,8 @@
 # The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
 # library, run the GPU tests, record the kernel timeline, run the benchmark. Logs go to $OUT (or ./gpu_logs).
 #   bash scripts/run_gpu_suite.sh [extra args for bench_forward.py]
-# Env: MOK_SUITE_TESTS=0 skips tests (MOK_SUITE_ORDERED=0 their second pass with MOK_FP8_ORDERED=1,
-#      MOK_SUITE_CLUSTER_INSM=0 the clusters' in-SM cases in the ablation build), MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward), MOK_SUITE_BENCH=0 the benchmark,
+# Env: MOK_SUITE_TESTS=0 skips tests (MOK_SUITE_ORDERED=0 their second pass with MOK_FP8_ORDERED=1),
+#      MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward), MOK_SUITE_BENCH=0 the benchmark,
 #      MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py), MOK_PYTEST_PATHS (tests/gpu),
 #      MOK_PYTEST_ARGS overrides "-x -q", MOK_SUITE_ISOLATE test files run in processes of their own (default:
 #      the ones not yet passing on a GPU; "" none), MOK_SUITE_FP8_ARGS the fp8 benchmark's arguments (e.g. an interleaved
@@ -33,9 +33,9 @@ rc=0
 if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
   echo "== tests"
   # Test files not yet passing on a GPU go in processes of their own, after the rest: a kernel that traps
-  # there (lost CUDA context) must not fail every later test of the same process. (Token chunks passed on the
-  # H200 on 2026-12-05; the clusters' in-SM-pull stall is refused by the launcher since the fourteenth session,
-  # and the cluster file has not run on a GPU since.)
+  # there (lost CUDA context) must not fail every later test of the same process. (The cluster file passed on
+  # an H100 in the fifteenth session, its in-SM cases in the ablation build; it stays apart until its in-SM
+  # cases have run in the normal build.)
   ISOLATE="${MOK_SUITE_ISOLATE-tests/gpu/test_cluster_pairs.py}"
   IGNORE=""
   for f in $ISOLATE; do IGNORE="$IGNORE --ignore=$f"; done
@@ -49,15 +49,6 @@ if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
     r=${PIPESTATUS[0]}
     [ "$r" -ne 0 ] && rc=$r
   done
-  # 2-CTA clusters with the in-SM pull: refused by the normal build until their stall fix is confirmed; the
-  # ablation build (a library of its own) runs them
-  if [ "${MOK_SUITE_CLUSTER_INSM:-1}" != "0" ]; then
-    # shellcheck disable=SC2086
-    MOK_ABLATION=1 timeout ${MOK_TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/gpu/test_cluster_pairs.py -k insm \
-      ${MOK_PYTEST_ARGS:--x -q} -p no:cacheprovider 2>&1 | tee "$OUT/tests-cluster-insm.log"
-    r=${PIPESTATUS[0]}
-    [ "$r" -ne 0 ] && rc=$r
-  fi
   # The issue-order tests (orders 1 / 2) once more with the build that carries that code (MOK_FP8_ORDERED=1,
   # a library of its own); the default build refuses those orders, which the first pass checks.
   if [ "${MOK_SUITE_ORDERED:-1}" != "0" ]; then

@@ -5,7 +5,7 @@
 #   bash scripts/run_timelines.sh
 # Env: MOK_TL_SPECS  variants, ';'-separated, each "label|config|dtype|ENV=VAL ENV=VAL|timeline.py args" (the env
 #                    and args parts may be empty or left out); default: the eleventh session's set below (2-CTA
-#                    clusters with 8 comm SMs: they do not run with the in-SM pull yet).
+#                    clusters with 8 comm SMs).
 #      MOK_TL_OLD_TREE directories holding other source trees, space-separated (e.g. `git archive 828de2d | tar -x
 #                    -C old_tree`): each tree's library is built apart (MOK_CACHE_DIR of its own); first the
 #                    MOK_TL_OLD_SPECS variants (default: the plain fp8 and bf16 launches) run MOK_TL_OLD_REPS times

@@ -21,11 +21,6 @@ from mok_truth import KEPT_AND_BACKWARD, ground_truth, kept_rows_and_backward, m
 
 pytestmark = pytest.mark.gpu
 
-# Clusters with the in-SM pull (comm_sms 0) are refused by the normal build until the fix of their stall
-# (warps 1-3's late cluster arrival, expert_ffn.cuh: compute_role) is confirmed on a GPU; the ablation build
-# (MOK_ABLATION=1: scripts/run_gpu_suite.sh runs this file's "insm" cases once more with it) lets them run.
-INSM = os.environ.get("MOK_ABLATION") == "1"
-
 
 def _launch(kernel, monkeypatch, cluster, *args, env=(), **kw):
     monkeypatch.setenv("MOK_CLUSTER", str(cluster))
@@ -69,7 +64,7 @@ def _same(kernel, monkeypatch, case, kw, env=(), saved_h=True):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("R", [1, 2, 4])
-@pytest.mark.parametrize("comm", [0, 2, 4] if INSM else [2, 4], ids=lambda c: "insm" if c == 0 else f"comm{c}")
+@pytest.mark.parametrize("comm", [0, 2, 4], ids=lambda c: "insm" if c == 0 else f"comm{c}")
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1", "one"])
 def test_cluster_pairs_give_the_same_bits(kernel, monkeypatch, dtype, R, comm, mode):
     """H 512 / F 256: two n-tiles per stage (all units pair row blocks or n-tiles); R = 4 gives 33 SMs per
@@ -133,12 +128,13 @@ def test_cluster_pairs_kept_rows_and_backward(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_cluster_pairs_kimi_k2_slice(kernel, monkeypatch, dtype):
-    """The benchmark's shape (H 7168, F 2048, 8 experts, top-8, 4096 tokens; configs' split): long K loops of
-    shared units (16 fc1 and 28 fc2 n-tiles); 8 comm SMs (clusters do not run with the in-SM pull yet)."""
+@pytest.mark.parametrize("comm", [0, 8], ids=lambda c: "insm" if c == 0 else f"comm{c}")
+def test_cluster_pairs_kimi_k2_slice(kernel, monkeypatch, dtype, comm):
+    """The benchmark's shape (H 7168, F 2048, 8 experts, top-8, 4096 tokens): long K loops of shared units
+    (16 fc1 and 28 fc2 n-tiles), with the in-SM pull (the benchmark's split) and with 8 comm SMs."""
     R, L, H, F, K, T = 1, 8, 7168, 2048, 8, 4096
     x, idx, wts, w1, w2, _ = make_backward_case(R, L, H, F, K, [T], "uniform", seed=11)
-    kw = dict(comm_sms=8, ring_slots=4, minibatch_tokens=4096)
+    kw = dict(comm_sms=comm, ring_slots=4, minibatch_tokens=4096)
     if dtype == "fp8":
         kw["fp8"] = _fp8(w1, w2)
     _same(kernel, monkeypatch, (x, idx, wts, w1, w2), kw, saved_h=False)
@@ -200,9 +196,6 @@ def test_cluster_knob_refusals(kernel, monkeypatch):
     for bad in ("0", "3", "two"):
         with pytest.raises(errors, match="MOK_CLUSTER must be 1 or 2"):
             _launch(kernel, monkeypatch, bad, x, idx, wts, w1, w2, comm_sms=2, **kw)
-    if not INSM:
-        with pytest.raises(errors, match=r"MOK_CLUSTER=2 does not run with the in-SM pull yet \(comm_sms=0"):
-            _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=0, **kw)
     with pytest.raises(errors, match="comm_sms=3 must be even"):
         _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=3, **kw)
     with pytest.raises(errors, match="ctas_per_rank=65 must be even"):
