@@ -34,8 +34,8 @@ if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
   echo "== tests"
   # Test files not yet passing on a GPU go in processes of their own, after the rest: a kernel that traps
   # there (lost CUDA context) must not fail every later test of the same process. (The cluster file passed on
-  # an H100 in the fifteenth session, its in-SM cases in the ablation build; it stays apart until its in-SM
-  # cases have run in the normal build.)
+  # H100s in the fifteenth session, in the normal build too with its in-SM cases; it stays apart for one more
+  # full suite run.)
   ISOLATE="${MOK_SUITE_ISOLATE-tests/gpu/test_cluster_pairs.py}"
   IGNORE=""
   for f in $ISOLATE; do IGNORE="$IGNORE --ignore=$f"; done

@@ -181,6 +181,12 @@ struct Params {
   float* act_scale;                   // [nparts][S][slot_rows][F / 128]
 };
 
+// The FP8 issue order a launch runs (fp8_kloop.cuh): 0 in a build without the issue-order code
+// (MOK_FP8_ORDERED=0), as a constant, so every branch on it compiles away there.
+__host__ __device__ __forceinline__ int fp8_issue_order(const Params& P) {
+  return MOK_FP8_ORDERED ? P.fp8_issue_order : 0;
+}
+
 // Optional forward features, compiled into an instance of the forward kernel (its template argument kFeat):
 // the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, and the one with all of
 // them (kFeatAll) otherwise. Each compiled-in feature's run-time tests and code sat in every launch's hot

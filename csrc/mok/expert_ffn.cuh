@@ -395,7 +395,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (feat_cluster<kFeat>(P) && ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
-      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && MOK_FP8_ORDERED && P.fp8_issue_order && wgc == 0 ? sm.issued : nullptr);
+      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && fp8_issue_order(P) && wgc == 0 ? sm.issued : nullptr);
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
@@ -451,7 +451,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      }, MOK_FP8_ORDERED && P.fp8_issue_order ? sm.issued : nullptr, MOK_FP8_ORDERED && P.fp8_issue_order == 2);
+      }, fp8_issue_order(P) ? sm.issued : nullptr, fp8_issue_order(P) == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -626,7 +626,7 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       // barrier's last phase only once their pulls are over: an arrival left pending while they ran their
       // named barriers kept every cluster whose compute had not ended from publishing its pulls -- the stall
       // counts of the clustered in-SM runs (44, 52, 12, 30 of 132 / 66) are exactly twice the pairs that
-      // could end without minibatch 1 (fourteenth session's analysis, to be confirmed on a GPU). Their pulls
+      // could end without minibatch 1 (fourteenth session; with this order the cases pass, fifteenth). Their pulls
       // wait only for earlier minibatches' tiles, which the consumers waiting on this phase have finished.
       MOK_PROGRESS(0x06000000u);
       auto arrive = [&] {

@@ -480,7 +480,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      }, MOK_FP8_ORDERED && B.fp8_issue_order ? sm.issued : nullptr, MOK_FP8_ORDERED && B.fp8_issue_order == 2);
+      }, fp8_issue_order(B) ? sm.issued : nullptr, fp8_issue_order(B) == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
@@ -526,7 +526,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
         if (++st == kStages) { st = 0; ph ^= 1u; }
         mbar_wait(B, &sm.full[sg], pg, q, 4);
         mbar_wait(B, &sm.full[su], pu, q, 4);
-        if (kFp8 && MOK_FP8_ORDERED && B.fp8_issue_order && wgc == 0 && (lt & 31) == 0) {
+        if (kFp8 && fp8_issue_order(B) && wgc == 0 && (lt & 31) == 0) {
           // the ordered K loop's `issued` barriers count every use of a stage (their phase is the stage
           // ring's, fp8_kloop.cuh): these two stages carry g / u, not a K block, but move them on too
           Barrier::arrive(&sm.issued[sg]);
