@@ -106,6 +106,8 @@ def test_single_slot_ring_odd_minibatch(kernel):
         ("MOK_CONSUMER_LEAD_NS", "-5"),
         ("MOK_TICKET_AHEAD", "2"),
         ("MOK_TICKET_AHEAD", "yes"),
+        ("MOK_FLUSH_SPIN_NS", "100001"),
+        ("MOK_FLUSH_SPIN_NS", "-1"),
     ],
 )
 def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
@@ -144,15 +146,17 @@ def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
             assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{key}={val}, rank {r}"
 
 
+@pytest.mark.parametrize("knob", [("MOK_TICKET_AHEAD", "1"), ("MOK_FLUSH_SPIN_NS", "3000")])
 @pytest.mark.parametrize(
     "R,comm,slots,mb,raster",
     [(1, 0, 4, 256, "16"), (1, 2, 2, 64, "0"), (4, 0, 1, 200, "1"), (2, 3, 2, 300, "4")],
 )
-def test_ticket_lookahead_gives_identical_results(kernel, R, comm, slots, mb, raster, monkeypatch):
-    """MOK_TICKET_AHEAD=1 (a producer draws its next ticket while the current tile streams) changes only
-    which SM runs which tile and when: bitwise the same outputs and combine rows, also through small rings
-    whose slots turn over many times (a ticket held ahead must never wait on itself), one-slot rings and
-    every ticket order."""
+def test_pipeline_knobs_give_identical_results(kernel, knob, R, comm, slots, mb, raster, monkeypatch):
+    """MOK_TICKET_AHEAD=1 (a producer draws its next ticket while the current tile streams) and
+    MOK_FLUSH_SPIN_NS (a consumer waits a little for the next tile's info before it flushes a held release)
+    change only which SM runs which tile and when: bitwise the same outputs and combine rows, also through
+    small rings whose slots turn over many times (a ticket held ahead must never wait on itself, a held
+    release must be flushed before a wait that needs it), one-slot rings and every ticket order."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(31 + R)
     L, H, F, K = 8 // R, 512, 384, 4
@@ -163,7 +167,7 @@ def test_ticket_lookahead_gives_identical_results(kernel, R, comm, slots, mb, ra
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
     monkeypatch.setenv("MOK_RASTER", raster)
     o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-    monkeypatch.setenv("MOK_TICKET_AHEAD", "1")
+    monkeypatch.setenv(*knob)
     for _ in range(2):  # twice: the ticket counter is zeroed per launch
         o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
         for r in range(R):
