@@ -137,8 +137,6 @@ struct Params {
                                       // either (wait<1> as bf16), 256 progress codes (hang diagnosis)
   int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
-  int ticket_ahead;                   // forward: a producer draws its next tile's ticket one tile early (MOK_TICKET_AHEAD)
-  unsigned flush_spin_ns;             // forward: a consumer waits this long for the next tile's info before it flushes a held release (MOK_FLUSH_SPIN_NS)
   int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
                                       // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)

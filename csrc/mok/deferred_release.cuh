@@ -13,19 +13,6 @@
 
 namespace mok {
 
-// Whether the next tile's info is there, or arrives within spin_ns (forward: P.flush_spin_ns). The release's
-// fence waits for the pushed rows to land (~1-2 us); taken as soon as the info is late, it held the consumer
-// on after the info had come. A short spin first keeps it off that path when the info is only a little late
-// (the deadlock rule holds: past the spin the release is flushed before the consumer blocks).
-__device__ __forceinline__ bool info_within(uint64_t* info_full, uint32_t phase, unsigned spin_ns) {
-  if (Barrier::test_wait(info_full, phase, 1u)) return true;
-  if (spin_ns == 0) return false;
-  const unsigned long long t0 = globaltimer_ns();
-  while (globaltimer_ns() - t0 < spin_ns)
-    if (Barrier::test_wait(info_full, phase, 1u)) return true;
-  return false;
-}
-
 struct DeferredRelease {
   unsigned* ctr = nullptr;
   __device__ __forceinline__ void flush() {
@@ -40,8 +27,8 @@ struct DeferredRelease {
     ctr = c;
   }
   // before waiting for the next tile's info: flush unless that info is already there
-  __device__ __forceinline__ void before_wait(uint64_t* info_full, uint32_t phase, unsigned spin_ns = 0) {
-    if (ctr != nullptr && !info_within(info_full, phase, spin_ns)) flush();
+  __device__ __forceinline__ void before_wait(uint64_t* info_full, uint32_t phase) {
+    if (ctr != nullptr && !Barrier::test_wait(info_full, phase, 1u)) flush();
   }
 };
 
@@ -67,9 +54,8 @@ struct DeferredActRelease {
     flush(bar_id, lt);
     ctr = c;
   }
-  __device__ __forceinline__ void before_wait(uint64_t* info_full, uint32_t phase, int bar_id, int lt,
-                                              unsigned spin_ns = 0) {
-    if (ctr != nullptr && named_bar_any(bar_id, 128, !info_within(info_full, phase, spin_ns))) flush(bar_id, lt);
+  __device__ __forceinline__ void before_wait(uint64_t* info_full, uint32_t phase, int bar_id, int lt) {
+    if (ctr != nullptr && named_bar_any(bar_id, 128, !Barrier::test_wait(info_full, phase, 1u))) flush(bar_id, lt);
   }
 };
 

@@ -198,20 +198,11 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   uint32_t ph = 0;
   int ii = 0;
   uint32_t iph = 0;
-  // Ticket lookahead (P.ticket_ahead): the next tile's ticket is drawn once this one is published, so its
-  // atomic round trip runs while this tile streams instead of between the tiles, where the consumers wait for
-  // the next tile's info (the bf16 timelines showed ~2.6 us per fc2 -> fc2 change, 0.8 us in the fp8 kernel).
-  // Drawn after the publication, not before the tile's dependency wait and proxy fence (which would wait for
-  // it: drawn there it bought nothing, sixteenth session). Safe: a producer still takes its tickets in
-  // increasing order, and every tile depends only on tiles of lower tickets, so the lowest unfinished ticket
-  // is always some producer's current tile.
-  const bool ahead = P.ticket_ahead != 0;
-  unsigned tk_next = ahead ? atomicAdd(ctr_ticket(P, q), 1u) : 0u;
   while (true) {
     TileInfo ti;
     ti.kind = 0;
     while (true) {
-      const unsigned tk = ahead ? tk_next : atomicAdd(ctr_ticket(P, q), 1u);
+      const unsigned tk = atomicAdd(ctr_ticket(P, q), 1u);
       while (cur_mb < nmb && tk >= cur_base + (unsigned)cur_cnt * per_mt) {
         cur_base += (unsigned)cur_cnt * per_mt;
         ++cur_mb;
@@ -256,7 +247,6 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
     }
     publish_tile(P, q, sm, ti, ii, iph);
     if (ti.kind == 0) return;
-    if (ahead) tk_next = atomicAdd(ctr_ticket(P, q), 1u);  // (past the last tile: the next round ends)
     stream_tile<kFp8, kFeat>(P, q, sm, ti, -1, st, ph);
   }
 }
@@ -388,8 +378,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     while (globaltimer_ns() - t0 < (unsigned long long)P.consumer_lead_ns) __nanosleep(64);
   }
   while (true) {
-    if (lt == 0) rel.before_wait(&sm.info_full[ii], iph, P.flush_spin_ns);
-    act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt, P.flush_spin_ns);
+    if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
+    act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt);
     MOK_PROGRESS(0x20000000u | (unsigned)(ii | (iph << 1)));
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
