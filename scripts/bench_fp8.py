@@ -13,6 +13,7 @@ relative error vs the fp32 layer (first --err-tokens tokens).
 bf16 wgrad kernel, and dgrad alone), and grad_x's relative error vs fp32 autograd.
     python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
         [--sweep-comm 8,12 --sweep-mb 4096,6144]   # both kernels over this grid too; each at its best
+    python scripts/bench_fp8.py --backward --configs --rounds 7   # each kernel at its shipped config
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ SHAPES = {
     "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 (384 experts) at EP 48: 8 local experts, 65536 rows
     "dsv3": (7168, 2048, 8, 32, 8192),  # DeepSeek-V3 (256 experts) at EP 8: 32 local experts, 65536 rows
 }
+# --configs: each slice's shipped configs (configs/*.yaml), bf16 and fp8 kernel
+SLICE_CONFIGS = {"kimi": ("kimi-k2", "kimi-k2-fp8"), "dsv3": ("deepseek-v3", "deepseek-v3-fp8")}
+
+
+def forward_settings(name: str, kind: str, args) -> dict:
+    """comm_sms / ring_slots / minibatch_tokens of one kernel's forward: the command line's, or with --configs
+    the slice's config for that dtype (the FP8 configs carry their own minibatch)."""
+    if not args.configs:
+        return dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    from megatron_mok.config import load_config
+
+    k = load_config(SLICE_CONFIGS[name][0 if kind == "bf16" else 1]).kernel
+    return dict(comm_sms=k.comm_sms, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
 
 
 def dense_fns(rows: int, H: int, F: int):
@@ -111,7 +125,12 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
     f1, f2 = dense_fns(rows, H, F)
     variants: dict = {}
     for kind in ("bf16", "fp8"):
-        kwb = dict(kw, comm_sms=res[kind]["comm_sms"], minibatch_tokens=res[kind]["minibatch"])
+        kwb = dict(
+            kw,
+            comm_sms=res[kind]["comm_sms"],
+            minibatch_tokens=res[kind]["minibatch"],
+            ring_slots=res[kind]["ring_slots"],
+        )
         extra = {"fp8": q8} if kind == "fp8" else {}
         variants[kind] = lambda ev, kwb=kwb, extra=extra: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwb, **extra
@@ -286,11 +305,14 @@ def bench(name: str, args, results: list) -> None:
     print(f"fp8 weight quantisation (once per optimizer step, torch ops): {qs:.3f} ms", flush=True)
     res["weight_quant_ms"] = qs
 
-    kw = dict(comm_sms=args.comm_sms, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
+    kws = {kind: forward_settings(name, kind, args) for kind in ("bf16", "fp8")}
+    kw = kws["bf16"]
     runs = {
-        "bf16": lambda ev=None: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kw),
+        "bf16": lambda ev=None: mk.mok_forward_emulated(
+            [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kws["bf16"]
+        ),
         "fp8": lambda ev=None: mk.mok_forward_emulated(
-            [x], [idx], [w], w1l, w2l, check=False, fp8=q8, gpu_events=ev, **kw
+            [x], [idx], [w], w1l, w2l, check=False, fp8=q8, gpu_events=ev, **kws["fp8"]
         ),
     }
     n = min(args.err_tokens, T)
@@ -323,10 +345,12 @@ def bench(name: str, args, results: list) -> None:
             host_profile(fn)
     # each kernel at its best SM split / minibatch (the fp8 pull quantises, its GEMMs are shorter)
     for kind in ("bf16", "fp8"):
-        res[kind].update(comm_sms=args.comm_sms, minibatch=args.minibatch)
+        res[kind].update(
+            comm_sms=kws[kind]["comm_sms"], minibatch=kws[kind]["minibatch_tokens"], ring_slots=kws[kind]["ring_slots"]
+        )
         for comm in args.sweep_comm:
             for mb in args.sweep_mb:
-                kw2 = dict(kw, comm_sms=comm, minibatch_tokens=mb)
+                kw2 = dict(kws[kind], comm_sms=comm, minibatch_tokens=mb)
                 extra = {"fp8": q8} if kind == "fp8" else {}
 
                 def fn2(kw2=kw2, extra=extra):
@@ -448,6 +472,12 @@ def main() -> int:
     ap.add_argument("--comm-sms", type=int, default=16)
     ap.add_argument("--minibatch", type=int, default=2560)
     ap.add_argument("--ring-slots", type=int, default=3)
+    ap.add_argument(
+        "--configs",
+        action="store_true",
+        help="forward: each kernel at its slice's shipped config (comm_sms, ring_slots, minibatch_tokens of "
+        "kimi-k2[-fp8] / deepseek-v3[-fp8]) instead of --comm-sms / --ring-slots / --minibatch",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved dense / bf16 / fp8 rounds (0: skip)")
     ap.add_argument("--err-tokens", type=int, default=2048)

@@ -76,8 +76,8 @@ if [ "${MOK_SUITE_BENCH:-1}" != "0" ]; then
 fi
 if [ "${MOK_SUITE_FP8:-1}" != "0" ]; then
   echo "== fp8 bench"
-  # the configs' split (comm 0: in-SM pull, minibatch 4096), an A/B against 8 comm SMs in the interleaved rounds
-  FP8_ARGS="${MOK_SUITE_FP8_ARGS:---backward --comm-sms 0 --minibatch 4096 --ring-slots 4 --sweep-comm 0,8 --sweep-mb 4096 --rounds 9 --ab-comm 8}"
+  # each forward at its slice's shipped config (--configs), an A/B against 8 comm SMs in the interleaved rounds
+  FP8_ARGS="${MOK_SUITE_FP8_ARGS:---backward --configs --comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 9 --ab-comm 8}"
   # shellcheck disable=SC2086  # word splitting of the argument string is intended
   timeout ${MOK_BENCH_TIMEOUT:-300} python3 scripts/bench_fp8.py $FP8_ARGS --json "$OUT/bench-fp8.json" 2>&1 | tee "$OUT/bench-fp8.log"
 fi
