@@ -25,6 +25,31 @@ def pct(v: list[float], p: float) -> float:
     return v[min(len(v) - 1, int(len(v) * p))]
 
 
+def between_tile_gaps(
+    events: list[TimelineEvent],
+) -> tuple[dict[tuple[str, str], list[float]], list[float], list[float]]:
+    """Per transition (kind of a tile, kind of the SM's next tile): the gaps in us from a tile's end to the next
+    tile's start on the same SM; plus each SM's first-tile offset from the first tile anywhere and its end tail
+    (last tile's end to the last end anywhere). GEMM tiles (fc1 / fc2) only."""
+    gem = [e for e in events if e.kind in ("fc1", "fc2")]
+    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    if not gem:
+        return gaps, [], []
+    t0 = min(e.start_us for e in gem)
+    t1 = max(e.end_us for e in gem)
+    by_sm: dict[int, list[TimelineEvent]] = collections.defaultdict(list)
+    for e in gem:
+        by_sm[e.sm].append(e)
+    head, tail = [], []
+    for es in by_sm.values():
+        es.sort(key=lambda e: e.start_us)
+        head.append(es[0].start_us - t0)
+        tail.append(t1 - es[-1].end_us)
+        for a, b in zip(es, es[1:]):
+            gaps[(a.kind, b.kind)].append(b.start_us - a.end_us)
+    return gaps, head, tail
+
+
 def report(events: list[TimelineEvent], per_minibatch: bool) -> None:
     gem = [e for e in events if e.kind in ("fc1", "fc2")]
     if not gem:
@@ -45,18 +70,8 @@ def report(events: list[TimelineEvent], per_minibatch: bool) -> None:
             first[e.minibatch] = min(first[e.minibatch], e.start_us)
         for m in sorted(done):
             print(f"  minibatch {m:3d}: first tile {first[m]:9.1f} us, last tile done {done[m]:9.1f} us")
-    by_sm: dict[int, list[TimelineEvent]] = collections.defaultdict(list)
-    for e in gem:
-        by_sm[e.sm].append(e)
-    n = len(by_sm)
-    gaps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
-    head, tail = [], []
-    for es in by_sm.values():
-        es.sort(key=lambda e: e.start_us)
-        head.append(es[0].start_us - t0)
-        tail.append(t1 - es[-1].end_us)
-        for a, b in zip(es, es[1:]):
-            gaps[(a.kind, b.kind)].append(b.start_us - a.end_us)
+    gaps, head, tail = between_tile_gaps(events)
+    n = len(head)
     total = sum(sum(v) for v in gaps.values()) / n
     print(
         f"{n} SMs: idle between tiles {total:.1f} us per SM; first-tile offset {sum(head) / n:.1f}, end tail "
