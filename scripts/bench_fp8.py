@@ -13,7 +13,9 @@ relative error vs the fp32 layer (first --err-tokens tokens).
 bf16 wgrad kernel, and dgrad alone), and grad_x's relative error vs fp32 autograd.
     python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
         [--sweep-comm 8,12 --sweep-mb 4096,6144]   # both kernels over this grid too; each at its best
-    python scripts/bench_fp8.py --backward --configs --rounds 7   # each kernel at its shipped config
+    python scripts/bench_fp8.py --backward --configs --comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 7
+        # each forward kernel at its slice's shipped config (--configs covers the forward only; the backward
+        # runs --minibatch / --ring-slots / --bwd-comm-sms)
 """
 
 from __future__ import annotations

@@ -36,14 +36,24 @@ def test_gaps_by_transition_head_and_tail() -> None:
         # SM 1: fc1 [12, 25], fc2 [28, 50] (gap 3); the latest end of all (50)
         _ev(1, "fc1", 12, 25),
         _ev(1, "fc2", 28, 50, mb=1),
+        # SM 2: a long fc2 [14, 44] then a short fc1 [44.25, 46] (gap 0.25): sorted by end time instead of
+        # start time the pair would swap and give a negative gap
+        _ev(2, "fc1", 44.25, 46, mb=1),
+        _ev(2, "fc2", 14, 44),
         # not GEMM tiles: ignored
         _ev(0, "dispatch", 0, 60),
         _ev(1, "combine", 50, 70),
     ]
     gaps, head, tail = tg.between_tile_gaps(events)
-    assert dict(gaps) == {("fc1", "fc1"): [1.0], ("fc1", "fc2"): [2.0, 3.0], ("fc2", "fc2"): [0.5]}
-    assert sorted(head) == [0.0, 2.0]  # from the first tile anywhere (10)
-    assert sorted(tail) == [0.0, 5.0]  # to the last tile end anywhere (50)
+    assert dict(gaps) == {
+        ("fc1", "fc1"): [1.0],
+        ("fc1", "fc2"): [2.0, 3.0],
+        ("fc2", "fc2"): [0.5],
+        ("fc2", "fc1"): [0.25],
+    }
+    # per SM in first-seen order (SM 0, 1, 2): offset from the first tile anywhere (10), tail to the last end (50)
+    assert head == [0.0, 2.0, 4.0]
+    assert tail == [5.0, 0.0, 4.0]
 
 
 def test_no_gemm_tiles() -> None:
