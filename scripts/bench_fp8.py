@@ -113,7 +113,14 @@ def with_env(key: str, val: str, fn):
             os.environ[key] = old
 
 
-def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l, q8, rows: int, H: int, F: int):
+def chosen_settings(res: dict, kind: str) -> dict:
+    """The forward settings a kernel runs the interleaved rounds with: its slice's (--configs) or the command
+    line's, or the sweep's best (res[kind], filled by bench)."""
+    r = res[kind]
+    return dict(comm_sms=r["comm_sms"], ring_slots=r["ring_slots"], minibatch_tokens=r["minibatch"])
+
+
+def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows: int, H: int, F: int):
     """Dense, bf16, fp8 (each at its best setting) and the A/B variants, every one once per round.
 
     The power-limited clocks drift within a run, and a kernel's clock depends on what ran just before it:
@@ -127,12 +134,7 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
     f1, f2 = dense_fns(rows, H, F)
     variants: dict = {}
     for kind in ("bf16", "fp8"):
-        kwb = dict(
-            kw,
-            comm_sms=res[kind]["comm_sms"],
-            minibatch_tokens=res[kind]["minibatch"],
-            ring_slots=res[kind]["ring_slots"],
-        )
+        kwb = chosen_settings(res, kind)
         extra = {"fp8": q8} if kind == "fp8" else {}
         variants[kind] = lambda ev, kwb=kwb, extra=extra: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwb, **extra
@@ -148,7 +150,7 @@ def interleaved_rounds(name: str, args, res: dict, kw: dict, x, idx, w, w1l, w2l
                 key, val, lambda: fn(ev)
             )
     if args.ab_comm is not None:  # the bf16 kernel at another SM split (A/B)
-        kwa = dict(kw, comm_sms=args.ab_comm, minibatch_tokens=res["bf16"]["minibatch"])
+        kwa = dict(chosen_settings(res, "bf16"), comm_sms=args.ab_comm)
         variants["bf16_ab"] = lambda ev, kwa=kwa: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwa
         )
@@ -308,7 +310,6 @@ def bench(name: str, args, results: list) -> None:
     res["weight_quant_ms"] = qs
 
     kws = {kind: forward_settings(name, kind, args) for kind in ("bf16", "fp8")}
-    kw = kws["bf16"]
     runs = {
         "bf16": lambda ev=None: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kws["bf16"]
@@ -365,7 +366,7 @@ def bench(name: str, args, results: list) -> None:
                 if ms < res[kind]["ms"]:
                     res[kind].update(ms=ms, comm_sms=comm, minibatch=mb)
     if args.rounds > 0:
-        interleaved_rounds(name, args, res, kw, x, idx, w, w1l, w2l, q8, rows, H, F)
+        interleaved_rounds(name, args, res, x, idx, w, w1l, w2l, q8, rows, H, F)
     b, f = res["bf16"]["ms"], res["fp8"]["ms"]
     print(
         f"SUMMARY {name}: bf16 {b:.3f} ms (comm {res['bf16']['comm_sms']}, minibatch {res['bf16']['minibatch']}) = "
