@@ -137,8 +137,6 @@ struct Params {
                                       // either (wait<1> as bf16), 256 progress codes (hang diagnosis)
   int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
-  int consumer_lag;                   // forward: SM cycles the second consumer warpgroup to reach a tile starts it after
-                                      // the first (MOK_CONSUMER_LAG; expert_ffn.cuh: keep_consumer_lag)
   int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
                                       // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)

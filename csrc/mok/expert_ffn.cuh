@@ -48,14 +48,12 @@ struct ComputeSmem {
   int* lrow;       // [nseg] B > 1: layout row of each segment's first row
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
   TicketBox box;   // 2-CTA clusters: the producers' ticket mailbox (cluster_pair.cuh)
-  unsigned long long* lag;  // [2] each consumer warpgroup's last tile start: tile number << 40 | clock (keep_consumer_lag)
   int peer;        // 2-CTA clusters: the partner's cluster rank (its consumers share this CTA's stages); -1 off
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
   return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
-         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64 + 8 + 4 * 8 + 2 * 8 +
-         2 * 8;  // ..., pull flag, ticket box, consumer lag words
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64 + 8 + 4 * 8 + 2 * 8;  // ..., pull flag, ticket box
 }
 
 __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
@@ -73,7 +71,6 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.box.full = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(s.pull_flag + 16) + 7) & ~uintptr_t(7));
   s.box.empty = s.box.full + 2;
   s.box.entry = reinterpret_cast<int2*>(s.box.empty + 2);
-  s.lag = reinterpret_cast<unsigned long long*>(s.box.entry + 2);
   s.peer = -1;
   return s;
 }
@@ -358,32 +355,6 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
   __syncwarp();  // lanes 1-31 of thread 0's warp meet it again before any aligned barrier or full-mask shuffle
 }
 
-// Consumer lag (MOK_CONSUMER_LAG = P.consumer_lag SM cycles; 0 off). The two consumer warpgroups wait for
-// the same stages, so unless something parts them they issue each K block's MMAs together, land together,
-// and run their per-block FP8 promotion (and their epilogues) at the same time, while the tensor cores idle.
-// Here the warpgroup that reaches a tile's first loaded stage second starts its MMAs at least `cycles` after
-// the first did: one warpgroup's promotion then runs under the other's MMAs. (MOK_CONSUMER_LEAD_NS offsets
-// only the launch start, which the first minibatch's pull absorbs.) Per tile, as the warpgroups meet again
-// whenever both wait for the producer. Only a bounded spin on this SM's clock: no warpgroup waits for the
-// other, so it cannot deadlock; a race in which both see the other's previous tile only skips the lag once.
-// Thread 0 of the warpgroup decides, its warpgroup's named barrier holds the rest.
-__device__ __forceinline__ void keep_consumer_lag(const ComputeSmem& sm, int wgc, unsigned tile, int cycles,
-                                                  int wg_bar) {
-  if ((threadIdx.x & 127) == 0) {
-    constexpr unsigned long long kClockMask = (1ull << 40) - 1;
-    volatile unsigned long long* w = sm.lag;
-    const unsigned long long mine = (unsigned long long)(tile & 0xFFFFFFu) << 40;
-    const unsigned long long other = w[wgc ^ 1];
-    unsigned long long now = clock64();
-    if ((other & ~kClockMask) == mine) {  // the other warpgroup started this tile first
-      const unsigned long long t = other & kClockMask;
-      while (((now - t) & kClockMask) < (unsigned long long)cycles) now = clock64();
-    }
-    w[wgc] = mine | (now & kClockMask);
-  }
-  named_bar_sync(wg_bar, 128);
-}
-
 // wgc = consumer warpgroup index (0/1): rows [wgc*64, wgc*64+64) of the tile.
 template <bool kFp8, int kFeat>
 __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int wgc) {
@@ -398,7 +369,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   DeferredRelease rel;         // thread 0 of the warpgroup: its last fc2 tile's mb_done (deferred_release.cuh)
   DeferredActRelease act_rel;  // the whole warpgroup: its last fc1 tile's fc1_done
   const int wg_bar = 2 + wgc;  // this warpgroup's named barrier
-  unsigned tile_no = 0;        // tiles this warpgroup has taken (both take every tile): keep_consumer_lag
   // The two warpgroups signal their own rows (fc1_done, mb_done count kConsumerWGs per tile) and meet
   // only on the producer's rings (the stage ring and the 2-deep tile-info ring; with P.consumer_sync also
   // after every tile), so one may run a few K blocks ahead: while one stores its epilogue the other
@@ -429,7 +399,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
-    const unsigned tile = tile_no++;
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
@@ -464,10 +433,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       resolve_push();                    // (no rows of this warpgroup: nothing to resolve)
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
-      if (P.consumer_lag > 0) {  // the tile's first stage has landed: start the MMAs behind the other warpgroup's
-        mbar_wait(P, &sm.full[st], ph, q, 4);
-        keep_consumer_lag(sm, wgc, tile, P.consumer_lag, wg_bar);
-      }
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
       const float* sa0 = r_lo < ti.rows ? sa + (srow + r_lo) * nk : nullptr;
       const float* sa1 = r_lo + 8 < ti.rows ? sa + (srow + r_lo + 8) * nk : nullptr;
@@ -489,10 +454,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }, fp8_issue_order(P) ? sm.issued : nullptr, fp8_issue_order(P) == 2);
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
-    if (P.consumer_lag > 0) {  // as in the FP8 branch (the bf16 loop has no promotion; the epilogues part)
-      mbar_wait(P, &sm.full[st], ph, q, 4);
-      keep_consumer_lag(sm, wgc, tile, P.consumer_lag, wg_bar);
-    }
     int prev = 0;
     for (int kb = 0; kb < nk; ++kb) {
       MOK_PROGRESS(0x23000000u | (unsigned)(kb & 0xFFFF));
@@ -630,7 +591,6 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       Barrier::init(&sm.info_empty[i], 2);
       Barrier::init(&sm.box.full[i], 1);
       Barrier::init(&sm.box.empty[i], 1);
-      sm.lag[i] = ~0ull;  // no tile started (keep_consumer_lag)
     }
     cutlass::arch::fence_barrier_init();
   }

@@ -556,9 +556,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                        getenv("MOK_CONSUMER_LEAD_NS"));
     if (!env_choice("MOK_CONSUMER_SYNC", 0, 0, 1, &P.consumer_sync))  // lock-step consumers
       return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
-    if (!env_choice("MOK_CONSUMER_LAG", 0, 0, 100000, &P.consumer_lag))  // per-tile lag of the second warpgroup
-      return write_err(errbuf, errlen, "MOK_CONSUMER_LAG must be an integer in [0, 100000] (SM cycles), got '%s'",
-                       getenv("MOK_CONSUMER_LAG"));
     // fp8 ordered issue (fp8_kloop.cuh): only in a MOK_FP8_ORDERED=1 build, whose code cost more than order 1
     // gained (scripts/NOTES-kernel.md, fourteenth session)
     if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;

@@ -99,13 +99,7 @@ def test_single_slot_ring_odd_minibatch(kernel):
 
 @pytest.mark.parametrize(
     "var,bad",
-    [
-        ("MOK_RASTER", "65"),
-        ("MOK_RASTER", "band"),
-        ("MOK_CONSUMER_SYNC", "2"),
-        ("MOK_CONSUMER_LEAD_NS", "-5"),
-        ("MOK_CONSUMER_LAG", "100001"),
-    ],
+    [("MOK_RASTER", "65"), ("MOK_RASTER", "band"), ("MOK_CONSUMER_SYNC", "2"), ("MOK_CONSUMER_LEAD_NS", "-5")],
 )
 def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
     """A mistyped launcher knob is a launch error naming it (README: launcher tuning knobs), not a clamp."""
@@ -123,8 +117,8 @@ def test_ticket_orders(kernel, raster, monkeypatch):
 @pytest.mark.parametrize("comm", [2, 0])
 def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     """The consumer warpgroups signal their rows apart and may drift; a start offset of the second
-    (MOK_CONSUMER_LEAD_NS), a per-tile lag of the second (MOK_CONSUMER_LAG) or lock-step (MOK_CONSUMER_SYNC)
-    must change nothing but timing: bitwise the same outputs and combine rows."""
+    (MOK_CONSUMER_LEAD_NS) or lock-step (MOK_CONSUMER_SYNC) must change nothing but timing: bitwise the
+    same outputs and combine rows."""
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(21)
     R, L, H, F, K = 2, 4, 512, 384, 4
@@ -135,15 +129,7 @@ def test_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=200)
     o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
     # a few K blocks; longer than whole tiles of this shape; lock-step consumers (MOK_CONSUMER_SYNC)
-    # per-tile lag of the second warpgroup (MOK_CONSUMER_LAG, SM cycles): part of a K block; several tiles
-    knobs = (
-        ("MOK_CONSUMER_LEAD_NS", "700"),
-        ("MOK_CONSUMER_LEAD_NS", "20000"),
-        ("MOK_CONSUMER_SYNC", "1"),
-        ("MOK_CONSUMER_LAG", "700"),
-        ("MOK_CONSUMER_LAG", "100000"),
-    )
-    for key, val in knobs:
+    for key, val in (("MOK_CONSUMER_LEAD_NS", "700"), ("MOK_CONSUMER_LEAD_NS", "20000"), ("MOK_CONSUMER_SYNC", "1")):
         monkeypatch.setenv(key, val)
         o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
         monkeypatch.delenv(key)
