@@ -143,7 +143,6 @@ struct Params {
                                       // releases are flushed (MOK_FP8_FLUSH_BLOCK; expert_ffn.cuh)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
-  int raster_fc2;                     // the same for the fc2 tiles (MOK_RASTER_FC2; default: raster)
   int cluster;                        // forward: 1, or 2 = 2-CTA clusters sharing weight tiles (MOK_CLUSTER; pair_tiles.cuh)
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

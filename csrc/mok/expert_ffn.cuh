@@ -218,13 +218,12 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       if (kind == 2) u -= t1;
       const int ntc = kind == 1 ? P.nt1 : P.nt2;
       int mt, nt;
-      const int raster = kind == 1 ? P.raster : P.raster_fc2;
-      if (raster == 0) {         // row-block major
+      if (P.raster == 0) {         // row-block major
         mt = u / ntc; nt = u % ntc;
-      } else if (raster == 1) {  // n-tile major
+      } else if (P.raster == 1) {  // n-tile major
         mt = u % cnt; nt = u / cnt;
-      } else {                   // bands of `raster` row blocks, n-tile major inside a band (L2 reuse)
-        const int GM = raster;
+      } else {                     // bands of `raster` row blocks, n-tile major inside a band (L2 reuse)
+        const int GM = P.raster;
         const int b = u / (GM * ntc), idx = u % (GM * ntc);
         const int gm = min(GM, cnt - b * GM);
         mt = b * GM + idx % gm; nt = idx / gm;

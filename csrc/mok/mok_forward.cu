@@ -545,12 +545,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     const int raster_default = (a->fp8 || cluster > 1) ? 0 : 16;
     if (!env_choice("MOK_RASTER", raster_default, 0, 64, &P.raster))
       return write_err(errbuf, errlen, "MOK_RASTER must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER"));
-    if (!env_choice("MOK_RASTER_FC2", P.raster, 0, 64, &P.raster_fc2))  // fc2 tiles' order (default: MOK_RASTER's)
-      return write_err(errbuf, errlen, "MOK_RASTER_FC2 must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER_FC2"));
-    if (cluster > 1 && (P.raster != 0 || P.raster_fc2 != 0))  // pair_tiles.cuh: units in row-block order only
-      return write_err(errbuf, errlen,
-                       "MOK_CLUSTER=2 hands out tile pairs in row-block order: MOK_RASTER and MOK_RASTER_FC2 must be 0, "
-                       "got %d / %d", P.raster, P.raster_fc2);
+    if (cluster > 1 && P.raster != 0)  // pair_tiles.cuh: units in row-block order only
+      return write_err(errbuf, errlen, "MOK_CLUSTER=2 hands out tile pairs in row-block order: MOK_RASTER must be 0, got %d",
+                       P.raster);
     P.cluster = cluster;
     const char* ds = getenv("MOK_DEBUG");  // timing ablations only (the -DMOK_ABLATION build reads it)
     P.debug = ds ? atoi(ds) : 0;

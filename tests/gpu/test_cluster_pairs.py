@@ -200,7 +200,7 @@ def test_cluster_knob_refusals(kernel, monkeypatch):
         _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=3, **kw)
     with pytest.raises(errors, match="ctas_per_rank=65 must be even"):
         _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=2, ctas_per_rank=65, **kw)
-    with pytest.raises(errors, match="MOK_RASTER and MOK_RASTER_FC2 must be 0"):
+    with pytest.raises(errors, match="MOK_RASTER must be 0"):
         _launch(kernel, monkeypatch, 2, x, idx, wts, w1, w2, comm_sms=2, env=[("MOK_RASTER", "4")], **kw)
     # and the same launch goes through once the knobs agree
     _same(kernel, monkeypatch, (x, idx, wts, w1, w2), dict(comm_sms=2, ctas_per_rank=64, **kw))

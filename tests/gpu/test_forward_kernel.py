@@ -105,7 +105,6 @@ def test_single_slot_ring_odd_minibatch(kernel):
         ("MOK_CONSUMER_SYNC", "2"),
         ("MOK_CONSUMER_LEAD_NS", "-5"),
         ("MOK_FP8_FLUSH_BLOCK", "65"),
-        ("MOK_RASTER_FC2", "-1"),
     ],
 )
 def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
@@ -115,11 +114,9 @@ def test_tuning_knobs_reject_bad_values(kernel, var, bad, monkeypatch):
         _run_case(kernel, 1, 2, Ts=[64], mode="uniform", seed=3, **SMALL)
 
 
-@pytest.mark.parametrize("raster,raster_fc2", [("1", None), ("4", None), ("16", None), ("0", "8"), ("16", "1")])
-def test_ticket_orders(kernel, raster, raster_fc2, monkeypatch):
-    monkeypatch.setenv("MOK_RASTER", raster)  # tuning knobs read by the host launcher
-    if raster_fc2 is not None:  # the fc2 tiles in an order of their own
-        monkeypatch.setenv("MOK_RASTER_FC2", raster_fc2)
+@pytest.mark.parametrize("raster", ["1", "4", "16"])
+def test_ticket_orders(kernel, raster, monkeypatch):
+    monkeypatch.setenv("MOK_RASTER", raster)  # tuning knob read by the host launcher
     _run_case(kernel, 2, 4, 512, 256, 4, Ts=[900, 700], mode="skewed", ring_slots=2, minibatch=300, seed=8)
 
 

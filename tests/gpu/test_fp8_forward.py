@@ -143,7 +143,6 @@ def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
         # the previous tile's held releases flushed at a later K block (past the last: at the last)
         {"MOK_FP8_FLUSH_BLOCK": "2", "MOK_FP8_ISSUE_ORDER": "0"},
         {"MOK_FP8_FLUSH_BLOCK": "64", "MOK_FP8_ISSUE_ORDER": "0"},
-        {"MOK_RASTER_FC2": "8", "MOK_FP8_ISSUE_ORDER": "0"},  # fc2 tiles in bands of 8 row blocks
     ]
     if kernel.fp8_issue_order_built():
         envs += [
