@@ -139,8 +139,6 @@ struct Params {
   int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
   int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
                                       // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
-  int fp8_flush_block;                // fp8 forward: the K block of a tile after whose issue the previous tile's held
-                                      // releases are flushed (MOK_FP8_FLUSH_BLOCK; expert_ffn.cuh)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int cluster;                        // forward: 1, or 2 = 2-CTA clusters sharing weight tiles (MOK_CLUSTER; pair_tiles.cuh)

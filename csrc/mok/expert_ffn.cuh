@@ -452,14 +452,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb0 = ws + (long long)(2 * ti.nt) * nk;
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
-      // The previous fc2 / fc1 tile's held releases are flushed once block flush_kb is issued. Their fences
-      // wait for that tile's stores (64 KB of pushed rows after an fc2 tile) to land, and the FP8 loop has a
-      // single group in flight: a fence still waiting when the next block is due holds back that block's
-      // drain, promotion and issue in thread 0's warp (and the stage release, which thread 0 makes), and
-      // with them the warpgroup. A later block gives the stores time to land first (MOK_FP8_FLUSH_BLOCK).
-      const int flush_kb = min(P.fp8_flush_block, nk - 1);
       ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
-        if (kb == flush_kb) {
+        if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight (one group at most: wait<0>)
           if (lt == 0) rel.flush();
           act_rel.flush(wg_bar, lt);
         }

@@ -559,9 +559,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     // fp8 ordered issue (fp8_kloop.cuh): only in a MOK_FP8_ORDERED=1 build, whose code cost more than order 1
     // gained (scripts/NOTES-kernel.md, fourteenth session)
     if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;
-    if (!env_choice("MOK_FP8_FLUSH_BLOCK", 0, 0, 64, &P.fp8_flush_block))
-      return write_err(errbuf, errlen, "MOK_FP8_FLUSH_BLOCK must be an integer in [0, 64], got '%s'",
-                       getenv("MOK_FP8_FLUSH_BLOCK"));
     P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;

@@ -122,8 +122,7 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case, monkeypatch):
 
 @pytest.mark.parametrize("comm", [2, 0])
 def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
-    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS), the K block at which a tile
-    flushes the previous tile's held releases (MOK_FP8_FLUSH_BLOCK), lock-step consumers
+    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS), lock-step consumers
     (MOK_CONSUMER_SYNC) or the order of the two warpgroups' groups (MOK_FP8_ISSUE_ORDER 0 / 1 / 2, also
     with both others) change only timing. The reference runs unordered (in a build with the issue-order
     code order 1 is the default, so an unset knob would compare order 1 with itself). Orders 1 / 2 need
@@ -140,9 +139,6 @@ def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
     envs: list[dict[str, str]] = [
         {"MOK_CONSUMER_LEAD_NS": "1500", "MOK_FP8_ISSUE_ORDER": "0"},
         {"MOK_CONSUMER_SYNC": "1", "MOK_FP8_ISSUE_ORDER": "0"},
-        # the previous tile's held releases flushed at a later K block (past the last: at the last)
-        {"MOK_FP8_FLUSH_BLOCK": "2", "MOK_FP8_ISSUE_ORDER": "0"},
-        {"MOK_FP8_FLUSH_BLOCK": "64", "MOK_FP8_ISSUE_ORDER": "0"},
     ]
     if kernel.fp8_issue_order_built():
         envs += [
