@@ -121,14 +121,6 @@ def record(args) -> str:
             f"{kind} tiles: {t['tiles']}, mean {t['mean_us']:.2f} us, of which epilogue (MMAs done -> its stores issued) "
             f"{t['epilogue_us']:.2f} us ({100 * t['epilogue_us'] / t['mean_us']:.1f}%){per_block}"
         )
-    # how long a tile's consumers waited for its first stage (the producer's ticket, dependency and loads)
-    for kind, name in ((1, "fc1"), (2, "fc2")):
-        waits = sorted(e.end_us - e.start_us for e in events if e.kind == "tile_start" and e.minibatch == kind)
-        if waits:
-            print(
-                f"{name} tile start (info read -> first stage landed): mean {sum(waits) / len(waits):.3f} us, "
-                f"p50 {waits[len(waits) // 2]:.3f}, p90 {waits[int(len(waits) * 0.9)]:.3f} us over {len(waits)} tiles"
-            )
     # per GEMM phase: FLOPs / busy SM-time -> TFLOP/s per busy SM (x 132 = rate if every SM ran it)
     if args.pass_ == "forward":
         gemms = {"fc1": 2.0 * rows * H * 2 * F, "fc2": 2.0 * rows * F * H}

@@ -399,13 +399,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
-    // timeline launches only: when the tile's first stage landed, i.e. how long the consumers wait for the
-    // producer at a tile start (one thread waits; the K loop's own wait then passes at once)
-    unsigned long long t_first = 0;
-    if (P.timeline != nullptr && threadIdx.x == 128) {
-      mbar_wait(P, &sm.full[st], ph, q, 4);
-      t_first = globaltimer_ns();
-    }
 
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     // slot row of the tile's row 0: A operand and scales (fc1: ring, fc2: act), fc1 epilogue's act rows
@@ -562,20 +555,14 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       // activations are read next by TMA (fc2 tiles, maybe other SMs): fenced and released once the next
       // tile's MMAs run (DeferredActRelease)
       act_rel.hold(ctr_fc1_done(P, q, ti.mb, ti.mt), wg_bar, lt);
-      if (threadIdx.x == 128) {
-        timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
-        timeline_record(P, kTlTileStart, 1u, t_tile, t_first);
-      }
+      if (threadIdx.x == 128) timeline_record(P, kTlFc1, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     } else {
 #pragma unroll
       for (int h = 0; h < 2; ++h)  // push: the home rank's combine buffer rows
         store_row_frag256(push_dst[h], ti.nt * kBN, H, acc, h, lane);
       named_bar_sync(wg_bar, 128);  // this warpgroup's rows are stored
       if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
-      if (threadIdx.x == 128) {
-        timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
-        timeline_record(P, kTlTileStart, 2u, t_tile, t_first);
-      }
+      if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }
     // Lock-step consumers (P.consumer_sync, off by default): both warpgroups meet after every tile, as
     // before they signalled apart. Interleaved A/B rounds on the H200 found no gain from it for either

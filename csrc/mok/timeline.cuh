@@ -21,7 +21,6 @@ enum TimelineKind : unsigned {
   kTlBwdPush = 9,      // its push reverse-dispatch stores into the home rank's grad_buf
   kTlBwdBackground = 10,  // comm SMs' share after a pull: router-weight grad (+ act rows when h was saved)
   kTlBwdGradX = 11,    // grad_x = sum_k grad_buf (after every rank's pushes landed)
-  kTlTileStart = 12,   // forward GEMM tile: its info read -> its first stage landed (aux = tile kind 1 / 2)
 };
 
 // One event; the host reads them as int64[3]: {(kind | smid << 8 | aux << 16) | mma_ns << 32, t0, t1}.

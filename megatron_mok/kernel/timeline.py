@@ -32,8 +32,6 @@ KINDS = {
     9: "push",
     10: "background",
     11: "grad_x",
-    # forward GEMM tile: its info read -> its first stage landed (minibatch field = tile kind 1 / 2)
-    12: "tile_start",
 }
 FORWARD_KINDS = ("schedule", "dispatch", "fc1", "fc2", "combine")
 BACKWARD_KINDS = ("schedule", "pull", "dgrad1", "dgrad1_epilogue", "dgrad2", "push", "background", "grad_x")
