@@ -69,3 +69,52 @@ def test_token_chunk_knob(lib, monkeypatch):
     assert "MOK_MACROBATCHES must be an integer in [1, 64], got '65'" in _check(lib)
     monkeypatch.setenv("MOK_MACROBATCHES", "3")
     assert "row segments" in _check(lib, L=200)
+
+
+@pytest.fixture(scope="module")
+def srcq_lib():
+    """The library built with MOK_FP8_SRC_QUANT=1 (a build of its own: the flag is in the cache key)."""
+    import os
+
+    from megatron_mok.kernel import build
+
+    if build.find_nvcc() is None or build.cutlass_include() is None:
+        pytest.skip("needs nvcc and the CUTLASS headers")
+    old = os.environ.get("MOK_FP8_SRC_QUANT")
+    os.environ["MOK_FP8_SRC_QUANT"] = "1"
+    try:
+        return ctypes.CDLL(str(build.build_library()))
+    finally:
+        if old is None:
+            del os.environ["MOK_FP8_SRC_QUANT"]
+        else:
+            os.environ["MOK_FP8_SRC_QUANT"] = old
+
+
+def _workspace(lib, **kw) -> int:
+    from megatron_mok.kernel.cargs import LaunchArrays
+    from megatron_mok.kernel.emulated import _Args
+
+    arrays = LaunchArrays()
+    a = _Args()
+    a.R, a.L, a.H, a.F, a.K = 2, 4, 256, 128, 2
+    a.comm_sms, a.ring_slots, a.minibatch, a.ctas_per_rank, a.rank = 2, 2, 128, 0, -1
+    for k, v in kw.items():
+        setattr(a, k, v)
+    a.T = arrays.i64([300, 200])
+    lib.mok_workspace_bytes.restype = ctypes.c_longlong
+    return int(lib.mok_workspace_bytes(ctypes.byref(a)))
+
+
+def test_fp8_source_quantisation_build(lib, srcq_lib, monkeypatch):
+    """MOK_FP8_SRC_QUANT=1: the library says so, sizes every token's e4m3 copy and scales into the FP8 workspace
+    (500 tokens x 256 bytes + 500 x 2 scales, each area 1 KB-aligned), and refuses FP8 per-rank launches by name."""
+    for var in ("MOK_CLUSTER", "MOK_MACROBATCHES"):
+        monkeypatch.delenv(var, raising=False)
+    assert lib.mok_fp8_src_quant_build() == 0 and srcq_lib.mok_fp8_src_quant_build() == 1
+    extra = -(-500 * 256 // 1024) * 1024 + -(-500 * 2 * 4 // 1024) * 1024
+    assert _workspace(srcq_lib, fp8=1) - _workspace(lib, fp8=1) == extra
+    assert _workspace(srcq_lib, fp8=0) == _workspace(lib, fp8=0)  # the bf16 kernel has no copy
+    assert _check(srcq_lib, fp8=1) == ""  # emulated launch
+    assert "MOK_FP8_SRC_QUANT=1" in _check(srcq_lib, fp8=1, rank=0)  # per-rank launch
+    assert _check(lib, fp8=1, rank=0) == ""

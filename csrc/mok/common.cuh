@@ -24,6 +24,15 @@
 #define MOK_FP8_ORDERED 0
 #endif
 static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED must be 0 or 1");
+// MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once, at its source, into an e4m3 copy with its
+// 1 x 128 scales (pull_dispatch.cuh: quantize_sources) before the pulls, which then copy e4m3 rows (half the
+// bytes of the bf16 rows they read now, one quantisation per token instead of one per routed copy; the same
+// blocks of the same rows, so the same bits). 0 (default): the pull quantises every copy on its way into the
+// ring. Emulated EP only for now (per-rank launches would need the copy in the symmetric region).
+#ifndef MOK_FP8_SRC_QUANT
+#define MOK_FP8_SRC_QUANT 0
+#endif
+static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUANT must be 0 or 1");
 
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
 // -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
@@ -179,6 +188,10 @@ struct Params {
   const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
   float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
   float* act_scale;                   // [nparts][S][slot_rows][F / 128]
+  // FP8 forward of a MOK_FP8_SRC_QUANT=1 build: every source token's e4m3 row and 1 x 128 scales, rank-major
+  // (rank r's token t at row entry_base(r) / K + t), written before the pulls (null otherwise)
+  uint8_t* xq;                        // [sum_r T_r][H]
+  float* xs;                          // [sum_r T_r][H / 128]
 };
 
 // The FP8 issue order a launch runs (fp8_kloop.cuh): 0 in a build without the issue-order code

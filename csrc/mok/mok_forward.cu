@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
+  if constexpr (kFp8 && MOK_FP8_SRC_QUANT) quantize_sources<8>(P);  // ordered before the pulls by barrier 3
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
   MOK_PROGRESS(0x01000000u);
   if (feat_cluster<kFeat>(P)) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
@@ -193,7 +194,7 @@ namespace {
 using namespace mok_host;
 
 struct WsLayout {
-  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, layout, local_rank, expert_total, expert_off, seg_off,
+  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total, expert_off, seg_off,
       seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end, total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E, B;
@@ -232,6 +233,11 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
   if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
+  if (MOK_FP8_SRC_QUANT && a->fp8 && a->rank >= 0)
+    return !write_err(eb, el,
+                      "this library was built with MOK_FP8_SRC_QUANT=1 (each token quantised once at its source, into "
+                      "the launch's workspace): per-rank launches would need that copy in the symmetric region, "
+                      "not built yet -- use the default build (MOK_FP8_SRC_QUANT=0)");
   if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch))
     return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
                       a->minibatch);
@@ -301,6 +307,13 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
   w.act = take((size_t)np * S * M * a->F * (a->fp8 ? 1 : 2));
   w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
+  {  // MOK_FP8_SRC_QUANT=1: every token's e4m3 row and scales (emulated launches only: validate)
+    long long all_tokens = 0;
+    for (int r = 0; r < a->R; ++r) all_tokens += a->T[r];
+    const bool srcq = MOK_FP8_SRC_QUANT && a->fp8;
+    w.xq = take(srcq ? (size_t)std::max<long long>(all_tokens, 1) * a->H : 0);
+    w.xs = take(srcq ? (size_t)std::max<long long>(all_tokens, 1) * (a->H / 128) * 4 : 0);
+  }
   w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
@@ -339,6 +352,9 @@ const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
 // Whether this library carries the FP8 issue-order code (build-time MOK_FP8_ORDERED; without it only
 // MOK_FP8_ISSUE_ORDER=0 launches): tests of orders 1 / 2 ask before running.
 int mok_fp8_ordered_build() { return MOK_FP8_ORDERED; }
+
+// Whether the FP8 forward of this library quantises each token once at its source (build-time MOK_FP8_SRC_QUANT).
+int mok_fp8_src_quant_build() { return MOK_FP8_SRC_QUANT; }
 
 int mok_smem_bytes(int E) {
   return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
@@ -591,6 +607,10 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);
     P.ring_scale = reinterpret_cast<float*>(wsp + ws.ring_scale);
     P.act_scale = reinterpret_cast<float*>(wsp + ws.act_scale);
+    if (MOK_FP8_SRC_QUANT) {
+      P.xq = reinterpret_cast<uint8_t*>(wsp + ws.xq);
+      P.xs = reinterpret_cast<float*>(wsp + ws.xs);
+    }
   }
   P.err = reinterpret_cast<int*>(a->err);
   P.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);

@@ -3,7 +3,8 @@
 // the slot's ready counter. In emulated EP the source pointers come from the per-rank table; with
 // real EP they would be NVLink peer pointers (symmetric memory), and the copy is a remote read.
 // FP8 kernel (kFp8): the pulled bf16 row is quantised on the way into the slot (fp8_quant.cuh), so
-// no separate quantise kernel and no extra HBM round trip.
+// no separate quantise kernel and no extra HBM round trip; a MOK_FP8_SRC_QUANT=1 build quantises each token
+// once at its source instead (quantize_sources) and pulls e4m3 rows.
 //
 // Two placements of the pull (kernel.comm_sms):
 //   comm_sms > 0  dedicated comm SMs pull every minibatch (dispatch_role) and then join the final sum;
@@ -53,6 +54,49 @@ constexpr int kInSmPullUnroll = kFp8 ? 2 : 4;
 constexpr int kInSmPullWarps = 3;      // warps 1-3 of the producer warpgroup
 constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3: one consumer warpgroup)
 
+// One warp copies a source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1): U x 16 B
+// per lane in flight, as copy_row_bf16. Read through L2 (ld.cg): quantize_sources wrote them in this launch.
+template <int U>
+__device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
+                                              const uint8_t* __restrict__ src, const float* __restrict__ src_scale,
+                                              int H, int lane) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const int nv = H / 16;
+  for (int base = 0; base < nv; base += 32 * U) {
+    uint4 buf[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v < nv) buf[u] = __ldcg(s + v);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = base + u * 32 + lane;
+      if (v < nv) d[v] = buf[u];
+    }
+  }
+  for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j] = __ldcg(src_scale + j);
+}
+
+// MOK_FP8_SRC_QUANT=1: every token of the ranks in this launch quantised once into P.xq / P.xs (all warps of
+// all CTAs, between the schedule's placement and its last grid barrier, which orders these writes before every
+// pull). The pulls then copy e4m3 rows: the same 1 x 128 blocks of the same rows as quantize_pull_row would
+// produce for each copy.
+template <int U>
+__device__ __forceinline__ void quantize_sources(const Params& P) {
+  const int lane = threadIdx.x & 31;
+  const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
+  const int H = P.H;
+  for (int q = P.rank0; q < P.rank0 + P.nparts; ++q) {
+    const RankTable& rt = P.ranks[q];
+    const long long base = rt.entry_base / P.K;
+    for (int t = gw; t < rt.T; t += nw)
+      quantize_pull_row<U>(P.xq + (base + t) * H, P.xs + (base + t) * (H / kScaleBlock), rt.x + (long long)t * H, H,
+                           lane);
+  }
+}
+
 // Warps gw, gw + stride, ... of a CTA pull layout rows [a, b) of minibatch i into its ring slot.
 template <bool kFp8, int U = kPullUnroll, int kFeat = kFeatAll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
@@ -67,7 +111,11 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
     const int2 src = layout[lr];
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
     const long long r = slot_row(P, q, i, a, row, lr);
-    if constexpr (kFp8)
+    if constexpr (kFp8 && MOK_FP8_SRC_QUANT) {
+      const long long g = P.ranks[src.x].entry_base / P.K + src.y / P.K;  // the token's source-quantised row
+      copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), P.xq + g * H,
+                       P.xs + g * (H / kScaleBlock), H, lane);
+    } else if constexpr (kFp8)
       quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), sp, H, lane);
     else
       copy_row_bf16<U>(P.ring + r * H, sp, H, lane);

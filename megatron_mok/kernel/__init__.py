@@ -39,6 +39,7 @@ __all__ = [
     "check_pending_errors",
     "compile_only",
     "fp8_issue_order_built",
+    "fp8_src_quant_built",
     "is_available",
     "mok_forward_emulated",
     "mok_forward_rank",
@@ -62,6 +63,12 @@ def fp8_issue_order_built() -> bool:
     """Whether the loaded library carries the FP8 issue-order code (built with MOK_FP8_ORDERED=1), so that
     MOK_FP8_ISSUE_ORDER 1 / 2 launch; the default build leaves it out (order 0 only)."""
     return bool(_load_library().mok_fp8_ordered_build())
+
+
+def fp8_src_quant_built() -> bool:
+    """Whether the loaded library's FP8 forward quantises each token once at its source (built with
+    MOK_FP8_SRC_QUANT=1) instead of every pulled copy."""
+    return bool(_load_library().mok_fp8_src_quant_build())
 
 
 def _load_library():

@@ -69,10 +69,14 @@ def cutlass_include() -> Path | None:
 #                    every 2 blocks (same bits)
 #   MOK_FP8_ORDERED  1: the issue-order barriers compiled in (MOK_FP8_ISSUE_ORDER picks 0 / 1 / 2 per launch,
 #                    default 1); 0 (default): left out (order 0 only; the code cost time even when switched off)
+#   MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once at its source and pulls e4m3 rows (same bits;
+#                    emulated launches only); 0 (default): every pulled copy is quantised (not yet timed against 1)
 FP8_KLOOP_DEFAULT = 0
 FP8_KLOOP_CHOICES = (0, 2)
 FP8_ORDERED_DEFAULT = 0
 FP8_ORDERED_CHOICES = (0, 1)
+FP8_SRC_QUANT_DEFAULT = 0
+FP8_SRC_QUANT_CHOICES = (0, 1)
 
 
 def _build_choice(name: str, default: int, choices: tuple[int, ...], meaning: str) -> int:
@@ -108,6 +112,16 @@ def fp8_ordered() -> int:
     )
 
 
+def fp8_src_quant() -> int:
+    """Whether the FP8 forward quantises each token at its source: ``MOK_FP8_SRC_QUANT`` (0 / 1) or the default."""
+    return _build_choice(
+        "MOK_FP8_SRC_QUANT",
+        FP8_SRC_QUANT_DEFAULT,
+        FP8_SRC_QUANT_CHOICES,
+        "1: each token quantised once at its source, 0: every pulled copy quantised",
+    )
+
+
 def nvcc_flags(include: Path, src: Path) -> list[str]:
     flags = [
         "-gencode=arch=compute_90a,code=sm_90a",
@@ -123,6 +137,7 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
         flags.append("-DMOK_ABLATION")
     flags.append(f"-DMOK_FP8_KLOOP={fp8_kloop()}")
     flags.append(f"-DMOK_FP8_ORDERED={fp8_ordered()}")
+    flags.append(f"-DMOK_FP8_SRC_QUANT={fp8_src_quant()}")
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags

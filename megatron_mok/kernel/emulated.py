@@ -172,6 +172,8 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_version.restype = ctypes.c_char_p
         lib.mok_fp8_ordered_build.restype = ctypes.c_int
         lib.mok_fp8_ordered_build.argtypes = []
+        lib.mok_fp8_src_quant_build.restype = ctypes.c_int
+        lib.mok_fp8_src_quant_build.argtypes = []
         _lib = lib
         return lib
 

@@ -1,6 +1,7 @@
 """Subprocess body of test_fp8_kloop.py: the FP8 forward and dgrad of a few cases with the library this
-process builds (MOK_FP8_KLOOP / MOK_FP8_ORDERED are read at build time), saved to argv[1] for a bitwise
-comparison; with argv[2] == "refusal", instead a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
+process builds (MOK_FP8_KLOOP / MOK_FP8_ORDERED / MOK_FP8_SRC_QUANT are read at build time), saved to argv[1]
+with the build choices the loaded library reports, for a bitwise comparison; with argv[2] == "refusal", instead
+a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def main(path: str) -> None:
             "grad_w1": [torch.stack(t).cpu() for t in g1],
             "grad_w2": [torch.stack(t).cpu() for t in g2],
         }
-    torch.save(out, path)
+    built = {"ordered": kernel.fp8_issue_order_built(), "src_quant": kernel.fp8_src_quant_built()}
+    torch.save({"cases": out, "built": built}, path)
 
 
 def refusal() -> None:
