@@ -10,13 +10,29 @@ import pytest
 pytestmark = pytest.mark.nvcc
 
 
-@pytest.fixture(scope="module")
-def lib():
+def _built(src_quant: str) -> ctypes.CDLL:
+    """The library built with MOK_FP8_SRC_QUANT=src_quant (a build of its own: the flag is in the cache key),
+    whatever the environment says."""
+    import os
+
     from megatron_mok.kernel import build
 
     if build.find_nvcc() is None or build.cutlass_include() is None:
         pytest.skip("needs nvcc and the CUTLASS headers")
-    return ctypes.CDLL(str(build.build_library()))
+    old = os.environ.get("MOK_FP8_SRC_QUANT")
+    os.environ["MOK_FP8_SRC_QUANT"] = src_quant
+    try:
+        return ctypes.CDLL(str(build.build_library()))
+    finally:
+        if old is None:
+            del os.environ["MOK_FP8_SRC_QUANT"]
+        else:
+            os.environ["MOK_FP8_SRC_QUANT"] = old
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return _built("0")
 
 
 def _check(lib, **kw) -> str:
@@ -73,22 +89,7 @@ def test_token_chunk_knob(lib, monkeypatch):
 
 @pytest.fixture(scope="module")
 def srcq_lib():
-    """The library built with MOK_FP8_SRC_QUANT=1 (a build of its own: the flag is in the cache key)."""
-    import os
-
-    from megatron_mok.kernel import build
-
-    if build.find_nvcc() is None or build.cutlass_include() is None:
-        pytest.skip("needs nvcc and the CUTLASS headers")
-    old = os.environ.get("MOK_FP8_SRC_QUANT")
-    os.environ["MOK_FP8_SRC_QUANT"] = "1"
-    try:
-        return ctypes.CDLL(str(build.build_library()))
-    finally:
-        if old is None:
-            del os.environ["MOK_FP8_SRC_QUANT"]
-        else:
-            os.environ["MOK_FP8_SRC_QUANT"] = old
+    return _built("1")
 
 
 def _workspace(lib, **kw) -> int:

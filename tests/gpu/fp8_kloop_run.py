@@ -5,6 +5,7 @@ a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -13,13 +14,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mok_truth import make_backward_case  # noqa: E402
 
-# R, L, H, F, K, Ts, mode, comm, slots, minibatch: odd / even K-block counts (the pipelined loop runs
-# blocks in pairs plus a remainder: H / 128 = 3, 4; F / 128 = 3, 1, 2), a ring that wraps, EP 4
+# R, L, H, F, K, Ts, mode, comm, slots, minibatch, forward launcher knobs: odd / even K-block counts (the
+# pipelined loop runs blocks in pairs plus a remainder: H / 128 = 3, 4; F / 128 = 3, 1, 2), a ring that wraps,
+# EP 4, and the every-feature FP8 instance (token chunks, 2-CTA clusters: EP 1, even comm_sms)
 CASES = [
-    (1, 3, 384, 384, 4, [700], "skewed", 2, 2, 128),
-    (2, 3, 512, 128, 4, [200, 333], "minus1", 0, 3, 128),
-    (4, 2, 256, 256, 2, [64, 0, 130, 257], "empty", 1, 2, 64),
+    (1, 3, 384, 384, 4, [700], "skewed", 2, 2, 128, {}),
+    (2, 3, 512, 128, 4, [200, 333], "minus1", 0, 3, 128, {}),
+    (4, 2, 256, 256, 2, [64, 0, 130, 257], "empty", 1, 2, 64, {}),
+    (1, 3, 384, 256, 4, [600], "skewed", 0, 2, 128, {"MOK_MACROBATCHES": "2"}),
+    (1, 2, 256, 384, 2, [500], "uniform", 2, 2, 128, {"MOK_CLUSTER": "2"}),
 ]
+
+
+@contextlib.contextmanager
+def _knobs(knobs: dict):
+    """The forward launcher's knobs set (it reads them per launch), then the environment as it was."""
+    old = {k: os.environ.get(k) for k in knobs}
+    os.environ.update(knobs)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def main(path: str) -> None:
@@ -29,12 +48,13 @@ def main(path: str) -> None:
 
     dev = torch.device("cuda")
     out = {}
-    for n, (R, L, H, F, K, Ts, mode, comm, slots, mb) in enumerate(CASES):
+    for n, (R, L, H, F, K, Ts, mode, comm, slots, mb, knobs) in enumerate(CASES):
         x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, mode, 100 + n)
         q8 = quantize_expert_weights(w1, w2, transposed=True)
         saved = [torch.zeros((max(1, sum(Ts) * K), 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
         kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
-        o, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
+        with _knobs(knobs):
+            o, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
         comb = [c.view(T, K, H) for c, T in zip(comb, Ts)]
         bkw = dict(kw, comm_sms=max(comm, 1))  # the backward has no in-SM pull: >= 1 comm SM
         gx, gw, g1, g2 = backward.mok_backward_emulated(
@@ -58,7 +78,7 @@ def refusal() -> None:
     import megatron_mok.kernel as kernel
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
-    R, L, H, F, K, Ts, mode, comm, slots, mb = CASES[0]
+    R, L, H, F, K, Ts, mode, comm, slots, mb, _ = CASES[0]
     x, idx, wts, w1, w2, _ = make_backward_case(R, L, H, F, K, Ts, mode, 100)
     os.environ["MOK_FP8_ISSUE_ORDER"] = "1"
     try:
