@@ -194,8 +194,8 @@ namespace {
 using namespace mok_host;
 
 struct WsLayout {
-  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total, expert_off, seg_off,
-      seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end, total;
+  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total, expert_off,
+      seg_off, seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end, total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E, B;
 };
