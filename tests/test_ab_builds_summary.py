@@ -3,22 +3,16 @@ H200 log) and the per-build medians and ratios it prints."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from load_script import SCRIPTS, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-LOG = ROOT / "scripts" / "logs" / "h200-2026-12-05j-run4-bench-fp8-backward.log"
+LOG = SCRIPTS / "logs" / "h200-2026-12-05j-run4-bench-fp8-backward.log"
 
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ab_builds_summary", ROOT / "scripts" / "ab_builds_summary.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ab_builds_summary")
 
 
 def test_parses_a_real_bench_log():

@@ -3,59 +3,50 @@ error naming the variable, never a silent default, and each choice reaches nvcc 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from megatron_mok.kernel import build
 
-
-def test_fp8_kloop_default_and_choices(monkeypatch):
-    monkeypatch.delenv("MOK_FP8_KLOOP", raising=False)
-    assert build.fp8_kloop() == build.FP8_KLOOP_DEFAULT
-    for k in build.FP8_KLOOP_CHOICES:
-        monkeypatch.setenv("MOK_FP8_KLOOP", str(k))
-        assert build.fp8_kloop() == k
-        assert f"-DMOK_FP8_KLOOP={k}" in build.nvcc_flags(Path("/inc"), Path("/src"))
-
-
-@pytest.mark.parametrize("bad", ["1", "3", "4", "two", "-2", "2.0"])
-def test_fp8_kloop_rejects(monkeypatch, bad):
-    monkeypatch.setenv("MOK_FP8_KLOOP", bad)
-    with pytest.raises(build.BuildError, match=r"MOK_FP8_KLOOP must be one of 0, 2 .*got '" + bad.replace(".", r"\.")):
-        build.fp8_kloop()
-
-
-def test_fp8_ordered_default_and_choices(monkeypatch):
-    monkeypatch.delenv("MOK_FP8_ORDERED", raising=False)
-    assert build.fp8_ordered() == build.FP8_ORDERED_DEFAULT == 0
-    for k in (0, 1):
-        monkeypatch.setenv("MOK_FP8_ORDERED", str(k))
-        assert build.fp8_ordered() == k
-        assert f"-DMOK_FP8_ORDERED={k}" in build.nvcc_flags(Path("/inc"), Path("/src"))
+# (variable, its reader, the default it must give, the module constant holding it, the accepted values,
+# values it must refuse)
+SWITCHES = [
+    (
+        "MOK_FP8_KLOOP",
+        build.fp8_kloop,
+        build.FP8_KLOOP_DEFAULT,
+        build.FP8_KLOOP_DEFAULT,
+        build.FP8_KLOOP_CHOICES,
+        ["1", "3", "4", "two", "-2", "2.0"],
+    ),
+    ("MOK_FP8_ORDERED", build.fp8_ordered, 0, build.FP8_ORDERED_DEFAULT, (0, 1), ["2", "yes", "01", "-1"]),
+    ("MOK_FP8_SRC_QUANT", build.fp8_src_quant, 0, build.FP8_SRC_QUANT_DEFAULT, (0, 1), ["2", "on", "01", "-1"]),
+]
 
 
-@pytest.mark.parametrize("bad", ["2", "yes", "01", "-1"])
-def test_fp8_ordered_rejects(monkeypatch, bad):
-    monkeypatch.setenv("MOK_FP8_ORDERED", bad)
-    with pytest.raises(build.BuildError, match=r"MOK_FP8_ORDERED must be one of 0, 1 .*got '" + bad + "'"):
-        build.fp8_ordered()
+@pytest.mark.parametrize("var,read,default,const,choices,_bad", SWITCHES, ids=[s[0] for s in SWITCHES])
+def test_switch_default_and_choices(monkeypatch, var, read, default, const, choices, _bad):
+    monkeypatch.delenv(var, raising=False)
+    assert read() == default == const
+    for k in choices:
+        monkeypatch.setenv(var, str(k))
+        assert read() == k
+        assert f"-D{var}={k}" in build.nvcc_flags(Path("/inc"), Path("/src"))
 
 
-def test_fp8_src_quant_default_and_choices(monkeypatch):
-    monkeypatch.delenv("MOK_FP8_SRC_QUANT", raising=False)
-    assert build.fp8_src_quant() == build.FP8_SRC_QUANT_DEFAULT == 0
-    for k in (0, 1):
-        monkeypatch.setenv("MOK_FP8_SRC_QUANT", str(k))
-        assert build.fp8_src_quant() == k
-        assert f"-DMOK_FP8_SRC_QUANT={k}" in build.nvcc_flags(Path("/inc"), Path("/src"))
-
-
-@pytest.mark.parametrize("bad", ["2", "on", "01", "-1"])
-def test_fp8_src_quant_rejects(monkeypatch, bad):
-    monkeypatch.setenv("MOK_FP8_SRC_QUANT", bad)
-    with pytest.raises(build.BuildError, match=r"MOK_FP8_SRC_QUANT must be one of 0, 1 .*got '" + bad + "'"):
-        build.fp8_src_quant()
+@pytest.mark.parametrize(
+    "var,read,choices,bad",
+    [(s[0], s[1], s[4], bad) for s in SWITCHES for bad in s[5]],
+    ids=[f"{s[0]}={bad}" for s in SWITCHES for bad in s[5]],
+)
+def test_switch_rejects(monkeypatch, var, read, choices, bad):
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(
+        build.BuildError, match=rf"{var} must be one of {', '.join(map(str, choices))} .*got '" + re.escape(bad) + "'"
+    ):
+        read()
 
 
 def test_fp8_kloop_source_agrees():

@@ -13,21 +13,13 @@ pytestmark = pytest.mark.nvcc
 def _built(src_quant: str) -> ctypes.CDLL:
     """The library built with MOK_FP8_SRC_QUANT=src_quant (a build of its own: the flag is in the cache key),
     whatever the environment says."""
-    import os
-
     from megatron_mok.kernel import build
 
     if build.find_nvcc() is None or build.cutlass_include() is None:
         pytest.skip("needs nvcc and the CUTLASS headers")
-    old = os.environ.get("MOK_FP8_SRC_QUANT")
-    os.environ["MOK_FP8_SRC_QUANT"] = src_quant
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOK_FP8_SRC_QUANT", src_quant)
         return ctypes.CDLL(str(build.build_library()))
-    finally:
-        if old is None:
-            del os.environ["MOK_FP8_SRC_QUANT"]
-        else:
-            os.environ["MOK_FP8_SRC_QUANT"] = old
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +27,26 @@ def lib():
     return _built("0")
 
 
-def _check(lib, **kw) -> str:
-    """mok_forward_check's message for a small launch with the given fields ('' = accepted)."""
-    from megatron_mok.kernel.cargs import LaunchArrays
+def _args(arrays, Ts: list[int] | None = None, **kw):
+    """The launch struct of a small launch (L 4, H 256, F 128, top-2, 2 comm SMs) with the given fields; Ts: the
+    ranks' token counts (default 300 each)."""
     from megatron_mok.kernel.emulated import _Args
 
-    arrays = LaunchArrays()
     a = _Args()
-    a.R, a.L, a.H, a.F, a.K = 1, 4, 256, 128, 2
+    a.R, a.L, a.H, a.F, a.K = len(Ts) if Ts else 1, 4, 256, 128, 2
     a.comm_sms, a.ring_slots, a.minibatch, a.ctas_per_rank, a.rank = 2, 2, 128, 0, -1
     for k, v in kw.items():
         setattr(a, k, v)
-    a.T = arrays.i64([300] * a.R)
+    a.T = arrays.i64(Ts or [300] * a.R)
+    return a
+
+
+def _check(lib, **kw) -> str:
+    """mok_forward_check's message for a small launch with the given fields ('' = accepted)."""
+    from megatron_mok.kernel.cargs import LaunchArrays
+
+    arrays = LaunchArrays()
+    a = _args(arrays, **kw)
     buf = ctypes.create_string_buffer(512)
     rc = lib.mok_forward_check(ctypes.byref(a), buf, 512)
     msg = buf.value.decode()
@@ -93,16 +93,11 @@ def srcq_lib():
 
 
 def _workspace(lib, **kw) -> int:
+    """mok_workspace_bytes of a two-rank launch of 300 + 200 tokens with the given fields."""
     from megatron_mok.kernel.cargs import LaunchArrays
-    from megatron_mok.kernel.emulated import _Args
 
     arrays = LaunchArrays()
-    a = _Args()
-    a.R, a.L, a.H, a.F, a.K = 2, 4, 256, 128, 2
-    a.comm_sms, a.ring_slots, a.minibatch, a.ctas_per_rank, a.rank = 2, 2, 128, 0, -1
-    for k, v in kw.items():
-        setattr(a, k, v)
-    a.T = arrays.i64([300, 200])
+    a = _args(arrays, [300, 200], **kw)
     lib.mok_workspace_bytes.restype = ctypes.c_longlong
     return int(lib.mok_workspace_bytes(ctypes.byref(a)))
 

@@ -13,27 +13,12 @@ Fixed seeds: deterministic. A failure prints the cfg and schedule to replay with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from load_script import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_model() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pipeline_model", ROOT / "scripts" / "pipeline_model.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-pm = _load_model()
+pm = load_script("pipeline_model")
 NPOL = len(pm.POLICIES)
 
 

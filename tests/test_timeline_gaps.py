@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from load_script import load_script
 
 from megatron_mok.kernel.timeline import TimelineEvent
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("timeline_gaps", ROOT / "scripts" / "timeline_gaps.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("timeline_gaps")
 
 
 def _ev(sm: int, kind: str, t0: float, t1: float, mb: int = 0) -> TimelineEvent:

@@ -22,21 +22,18 @@
 
 namespace mok {
 
-// One warp copies one row with up to U x 16 B per lane in flight (U = 16: 8 KB per warp, ~96 KB per comm
+// One warp copies nv 16-byte vectors with up to U per lane in flight (U = 16: 8 KB per warp, ~96 KB per comm
 // SM): the copy is latency-bound, so bytes in flight set the per-SM bandwidth. The in-SM pull warps run
-// with the producer warpgroup's 56 registers, hence their smaller U.
-template <int U>
-__device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, const __nv_bfloat16* __restrict__ src,
-                                              int H, int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  const int nv = H / 8;
+// with the producer warpgroup's 56 registers, hence their smaller U. load(p) reads one vector.
+template <int U, class Load>
+__device__ __forceinline__ void copy_vectors(uint4* __restrict__ d, const uint4* __restrict__ s, int nv, int lane,
+                                             Load load) {
   for (int base = 0; base < nv; base += 32 * U) {
     uint4 buf[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = base + u * 32 + lane;
-      if (v < nv) buf[u] = __ldg(s + v);
+      if (v < nv) buf[u] = load(s + v);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -44,6 +41,14 @@ __device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, c
       if (v < nv) d[v] = buf[u];
     }
   }
+}
+
+// One bf16 row (the caller's input x: read through the read-only path).
+template <int U>
+__device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, const __nv_bfloat16* __restrict__ src,
+                                              int H, int lane) {
+  copy_vectors<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), H / 8, lane,
+                  [](const uint4* p) { return __ldg(p); });
 }
 
 // Bytes in flight per lane of a pulling warp: comm SMs / minibatch 0 (whole register file) and the in-SM
@@ -54,28 +59,14 @@ constexpr int kInSmPullUnroll = kFp8 ? 2 : 4;
 constexpr int kInSmPullWarps = 3;      // warps 1-3 of the producer warpgroup
 constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3: one consumer warpgroup)
 
-// One warp copies a source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1): U x 16 B
-// per lane in flight, as copy_row_bf16. Read through L2 (ld.cg): quantize_sources wrote them in this launch.
+// One source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1), read through L2
+// (ld.cg): quantize_sources wrote them in this launch.
 template <int U>
 __device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                               const uint8_t* __restrict__ src, const float* __restrict__ src_scale,
                                               int H, int lane) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* d = reinterpret_cast<uint4*>(dst);
-  const int nv = H / 16;
-  for (int base = 0; base < nv; base += 32 * U) {
-    uint4 buf[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = base + u * 32 + lane;
-      if (v < nv) buf[u] = __ldcg(s + v);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int v = base + u * 32 + lane;
-      if (v < nv) d[v] = buf[u];
-    }
-  }
+  copy_vectors<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), H / 16, lane,
+                  [](const uint4* p) { return __ldcg(p); });
   for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j] = __ldcg(src_scale + j);
 }
 
