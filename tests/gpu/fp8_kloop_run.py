@@ -5,9 +5,9 @@ a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -26,21 +26,6 @@ CASES = [
 ]
 
 
-@contextlib.contextmanager
-def _knobs(knobs: dict):
-    """The forward launcher's knobs set (it reads them per launch), then the environment as it was."""
-    old = {k: os.environ.get(k) for k in knobs}
-    os.environ.update(knobs)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-
-
 def main(path: str) -> None:
     import megatron_mok.kernel as kernel
     from megatron_mok.kernel import backward
@@ -53,7 +38,7 @@ def main(path: str) -> None:
         q8 = quantize_expert_weights(w1, w2, transposed=True)
         saved = [torch.zeros((max(1, sum(Ts) * K), 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
         kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
-        with _knobs(knobs):
+        with mock.patch.dict(os.environ, knobs):  # the forward launcher reads its knobs per launch
             o, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
         comb = [c.view(T, K, H) for c, T in zip(comb, Ts)]
         bkw = dict(kw, comm_sms=max(comm, 1))  # the backward has no in-SM pull: >= 1 comm SM
