@@ -77,10 +77,18 @@ class KernelBackend:
         self._peers = None  # kernel.PeerBuffers of EP > 1 (symmetric memory, per process group)
 
     def _peer_buffers(self, tp, T: int, H: int, K: int, device):
-        from .kernel import PeerBuffers
+        from .kernel import PeerBuffers, fp8_src_quant_built
 
         b = self._peers
-        if b is None or b.region.tokens_cap < T or b.region.hidden != H or b.region.topk != K:
+        # the FP8 forward of a MOK_FP8_SRC_QUANT=1 build pulls each rank's source-quantised copy from its region
+        srcq = self.dtype == "fp8" and fp8_src_quant_built()
+        if (
+            b is None
+            or b.region.tokens_cap < T
+            or b.region.hidden != H
+            or b.region.topk != K
+            or b.region.fp8_sources != srcq
+        ):
             # collective over the EP group: every rank sees the same T (required) and so re-allocates together
             group = getattr(tp, "group", None)
             if group is None:
@@ -88,7 +96,7 @@ class KernelBackend:
 
                 group = dist.group.WORLD
             cap = max(T, b.region.tokens_cap if b is not None else 0)
-            self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device)
+            self._peers = b = PeerBuffers.symmetric(group, cap, H, K, device, fp8_sources=srcq)
         return b
 
     def _fp8_weights(self, w1, w2, transposed: bool = False):

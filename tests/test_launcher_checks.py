@@ -93,7 +93,7 @@ def srcq_lib():
 
 
 def _workspace(lib, **kw) -> int:
-    """mok_workspace_bytes of a two-rank launch of 300 + 200 tokens with the given fields."""
+    """mok_workspace_bytes of a two-rank launch of 300 + 200 tokens with the given fields (-1: refused)."""
     from megatron_mok.kernel.cargs import LaunchArrays
 
     arrays = LaunchArrays()
@@ -102,15 +102,31 @@ def _workspace(lib, **kw) -> int:
     return int(lib.mok_workspace_bytes(ctypes.byref(a)))
 
 
+def _kb(n: int) -> int:
+    return -(-n // 1024) * 1024  # a workspace area: 1 KB-aligned
+
+
 def test_fp8_source_quantisation_build(lib, srcq_lib, monkeypatch):
-    """MOK_FP8_SRC_QUANT=1: the library says so, sizes every token's e4m3 copy and scales into the FP8 workspace
-    (500 tokens x 256 bytes + 500 x 2 scales, each area 1 KB-aligned), and refuses FP8 per-rank launches by name."""
+    """MOK_FP8_SRC_QUANT=1: the library says so; an emulated FP8 launch sizes every token's e4m3 copy and scales
+    into its workspace (500 tokens x 256 bytes + 500 x 2 scales) beside the two ranks' pointer tables; a per-rank
+    FP8 launch keeps the copies in the ranks' symmetric regions (only the tables in its workspace) and is refused,
+    by name, without them."""
+    from megatron_mok.kernel.cargs import LaunchArrays
+
     for var in ("MOK_CLUSTER", "MOK_MACROBATCHES"):
         monkeypatch.delenv(var, raising=False)
     assert lib.mok_fp8_src_quant_build() == 0 and srcq_lib.mok_fp8_src_quant_build() == 1
-    extra = -(-500 * 256 // 1024) * 1024 + -(-500 * 2 * 4 // 1024) * 1024
-    assert _workspace(srcq_lib, fp8=1) - _workspace(lib, fp8=1) == extra
+    tables = _kb(2 * 2 * 8)  # [R] e4m3 row pointers + [R] scale pointers
+    copy = _kb(500 * 256) + _kb(500 * 2 * 4)
+    assert _workspace(srcq_lib, fp8=1) - _workspace(lib, fp8=1) == tables + copy
     assert _workspace(srcq_lib, fp8=0) == _workspace(lib, fp8=0)  # the bf16 kernel has no copy
     assert _check(srcq_lib, fp8=1) == ""  # emulated launch
-    assert "MOK_FP8_SRC_QUANT=1" in _check(srcq_lib, fp8=1, rank=0)  # per-rank launch
+    msg = _check(srcq_lib, fp8=1, rank=0)  # per-rank launch without the copies
+    assert "MOK_FP8_SRC_QUANT=1" in msg and "fp8_sources=True" in msg, msg
+    assert _workspace(srcq_lib, fp8=1, rank=0) == -1
+    arrays = LaunchArrays()
+    peers = {"xq": arrays.u64([1 << 20, 2 << 20]), "xs": arrays.u64([3 << 20, 4 << 20])}
+    assert _check(srcq_lib, fp8=1, rank=0, **peers) == ""
+    assert _workspace(srcq_lib, fp8=1, rank=0, **peers) - _workspace(lib, fp8=1, rank=0) == tables
+    assert _check(srcq_lib, fp8=0, rank=0) == ""  # bf16 per-rank launches need no copy
     assert _check(lib, fp8=1, rank=0) == ""

@@ -28,7 +28,9 @@ static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED mus
 // 1 x 128 scales (pull_dispatch.cuh: quantize_sources) before the pulls, which then copy e4m3 rows (half the
 // bytes of the bf16 rows they read now, one quantisation per token instead of one per routed copy; the same
 // blocks of the same rows, so the same bits). 0 (default): the pull quantises every copy on its way into the
-// ring. Emulated EP only for now (per-rank launches would need the copy in the symmetric region).
+// ring. Emulated launches keep the copies in the workspace; per-rank launches in each rank's symmetric region
+// (peer_ep.py: PeerRegion fp8_sources), and peers pull them after its source-quantised signal (peer_sync.cuh):
+// in real EP that also halves the NVLink bytes of the dispatch, as DeepEP's FP8 dispatch does.
 #ifndef MOK_FP8_SRC_QUANT
 #define MOK_FP8_SRC_QUANT 0
 #endif
@@ -104,6 +106,8 @@ enum Phase : int {
   kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
   kPhaseWgrad = 11,          // wgrad: expert row counts inconsistent with the layout buffers
   kPhaseChunkDone = 12,      // forward, token chunks: a chunk's final sum waits for its minibatches' pushes
+  kPhasePeerSrcQuant = 13,   // per-rank FP8 launch of a MOK_FP8_SRC_QUANT=1 build: waits for every peer's
+                             // source-quantised signal (its tokens' e4m3 copy written)
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 
@@ -127,8 +131,9 @@ struct RankTable {
 };
 
 // Signal pad of a rank (per-rank launches): slot [kind][src] is written by rank src with the call's
-// epoch (monotonic across calls, so the pad is never re-zeroed). kSigTokens carries src's T.
-enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigKinds = 3 };
+// epoch (monotonic across calls, so the pad is never re-zeroed). kSigTokens carries src's T. kSigSrcQuant:
+// src's tokens are quantised into its symmetric e4m3 copy (FP8 forward of a MOK_FP8_SRC_QUANT=1 build only).
+enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigSrcQuant = 3, kSigKinds = 4 };
 
 struct Params {
   int R, L, E, H, F, K;
@@ -188,10 +193,11 @@ struct Params {
   const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
   float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
   float* act_scale;                   // [nparts][S][slot_rows][F / 128]
-  // FP8 forward of a MOK_FP8_SRC_QUANT=1 build: every source token's e4m3 row and 1 x 128 scales, rank-major
-  // (rank r's token t at row entry_base(r) / K + t), written before the pulls (null otherwise)
-  uint8_t* xq;                        // [sum_r T_r][H]
-  float* xs;                          // [sum_r T_r][H / 128]
+  // FP8 forward of a MOK_FP8_SRC_QUANT=1 build: rank r's tokens as e4m3 rows with their 1 x 128 scales, written
+  // by r's launch before the pulls (emulated: workspace; per-rank launches: r's symmetric region, peer
+  // pointers). Null otherwise.
+  uint8_t* const* xq;                 // [R] -> [T_r][H]
+  float* const* xs;                   // [R] -> [T_r][H / 128]
 };
 
 // The FP8 issue order a launch runs (fp8_kloop.cuh): 0 in a build without the issue-order code

@@ -145,7 +145,7 @@ struct MokBwdArgs {
   // w1 / w1_ld / w2 / w2_ld / w2t hold this rank's L experts.
   int rank;                           // -1 = emulated (all R ranks in this launch)
   unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
-  const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[3*72])
+  const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
   // FP8 dgrad (kernel.dtype fp8; needs saved_h, H and F multiples of 128): fp8 = 1 and, per expert of this
   // launch (host [np*L], like w1 / w2), W2^T e4m3 [F, H] + scales [F/128, H/128] and W1^T e4m3 [H, 2F] +
   // scales [H/128, 2F/128], all contiguous; per rank (host [R], owner side as xl), gy and dH e4m3

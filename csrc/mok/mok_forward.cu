@@ -8,7 +8,8 @@
 // per-rank table, so the same device code serves
 //   * emulated EP: all R ranks in one launch on one GPU (P = R), and
 //   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
-//     ranks meet at start / compute-done on their signal pads (peer_sync.cuh).
+//     ranks meet at start / compute-done (FP8 with MOK_FP8_SRC_QUANT=1: also source-quantised) on their
+//     signal pads (peer_sync.cuh).
 //
 // Host side: a torch-independent extern "C" API (ctypes), every CUDA call checked.
 //   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs (-1: invalid,
@@ -67,16 +68,22 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     if (!s_flag) return;
   }
 
+  // ---- FP8, MOK_FP8_SRC_QUANT=1: this launch's tokens quantised once, at their source (pull_dispatch.cuh) ----
+  constexpr bool kSrcQuant = kFp8 && MOK_FP8_SRC_QUANT;
+  if constexpr (kSrcQuant) quantize_sources<8>(P);  // ordered before every pull by grid barrier 1 (and the signal)
+
   // ---- schedule (all CTAs) ----
   static_assert(compute_smem_bytes() / 4 >= MOK_MAX_EXPERTS, "schedule_count's per-warp counts need E ints of smem");
   schedule_count(P, reinterpret_cast<int*>(smem), compute_smem_bytes() / 4);
   if (!grid_barrier(P, 1, &s_flag)) return;
+  // per-rank launch: every CTA's copy is written; peers wait for this only before their first pull
+  if (kSrcQuant && P.peer_sync && blockIdx.x == 0 && threadIdx.x == 0) signal_peers(P, P.rank0, kSigSrcQuant);
   schedule_scan(P);
   if (!grid_barrier(P, 2, &s_flag)) return;
   schedule_place(P, reinterpret_cast<int*>(smem));
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
-  if constexpr (kFp8 && MOK_FP8_SRC_QUANT) quantize_sources<8>(P);  // ordered before the pulls by barrier 3
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
+  if (kSrcQuant && P.peer_sync && go) go = peers_quantised(P, &s_flag);  // every peer's e4m3 copy is written
   MOK_PROGRESS(0x01000000u);
   if (feat_cluster<kFeat>(P)) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
   MOK_PROGRESS(0x02000000u | (go ? 1u : 0u));
@@ -162,7 +169,7 @@ struct MokLaunchArgs {
   // Per-rank launch (mok_forward_rank_launch) only; the emulated launch ignores these:
   int rank;                         // this launch runs rank `rank`; -1 = emulated (all R ranks)
   unsigned epoch;                   // call number >= 1, the same on every rank
-  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[3*72])
+  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
   // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
   unsigned long long timeline;
   unsigned long long timeline_count;
@@ -185,6 +192,12 @@ struct MokLaunchArgs {
   unsigned long long keep_x;
   unsigned long long keep_act;
   long long keep_rows;
+  // FP8 per-rank launch of a MOK_FP8_SRC_QUANT=1 build (mok_fp8_src_quant_build() == 1) only: host [R] device
+  // ptrs of every rank's source-quantised copy of its tokens in its symmetric region, e4m3 [T, H] and fp32
+  // [T, H / 128] scales (this rank's written by this launch, peers' pulled). Emulated launches keep the copies
+  // in the workspace and ignore these.
+  const unsigned long long* xq;
+  const unsigned long long* xs;
 };
 
 }  // extern "C"
@@ -194,8 +207,9 @@ namespace {
 using namespace mok_host;
 
 struct WsLayout {
-  size_t tmaps, ranks, wscale, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total, expert_off,
-      seg_off, seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end, total;
+  size_t tmaps, ranks, wscale, src_ptrs, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total,
+      expert_off, seg_off, seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end,
+      total;
   long long layout_cap;
   int num_chunks, total_entries, mt_max, mb_cap, E, B;
 };
@@ -233,11 +247,10 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
   if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
-  if (MOK_FP8_SRC_QUANT && a->fp8 && a->rank >= 0)
+  if (MOK_FP8_SRC_QUANT && a->fp8 && a->rank >= 0 && (!a->xq || !a->xs))
     return !write_err(eb, el,
-                      "this library was built with MOK_FP8_SRC_QUANT=1 (each token quantised once at its source, into "
-                      "the launch's workspace): per-rank launches would need that copy in the symmetric region, "
-                      "not built yet -- use the default build (MOK_FP8_SRC_QUANT=0)");
+                      "this library was built with MOK_FP8_SRC_QUANT=1: an FP8 per-rank launch needs every rank's "
+                      "source-quantised copy xq / xs in its symmetric region (PeerBuffers with fp8_sources=True)");
   if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch))
     return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
                       a->minibatch);
@@ -303,16 +316,19 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.wscale = take((size_t)np * a->L * 2 * sizeof(void*));  // staged with the maps and rank table (before ring)
+  const bool srcq = MOK_FP8_SRC_QUANT && a->fp8;  // every rank's source-quantised copy: P.xq / P.xs tables
+  w.src_ptrs = take(srcq ? (size_t)a->R * 2 * sizeof(void*) : 0);  // (staged too)
   w.ring = take((size_t)np * S * M * a->H * (a->fp8 ? 1 : 2));
   w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
   w.act = take((size_t)np * S * M * a->F * (a->fp8 ? 1 : 2));
   w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
-  {  // MOK_FP8_SRC_QUANT=1: every token's e4m3 row and scales (emulated launches only: validate)
+  {  // MOK_FP8_SRC_QUANT=1, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank
+     // launches: in the symmetric regions, a->xq / a->xs)
     long long all_tokens = 0;
     for (int r = 0; r < a->R; ++r) all_tokens += a->T[r];
-    const bool srcq = MOK_FP8_SRC_QUANT && a->fp8;
-    w.xq = take(srcq ? (size_t)std::max<long long>(all_tokens, 1) * a->H : 0);
-    w.xs = take(srcq ? (size_t)std::max<long long>(all_tokens, 1) * (a->H / 128) * 4 : 0);
+    const bool here = srcq && a->rank < 0;
+    w.xq = take(here ? (size_t)std::max<long long>(all_tokens, 1) * a->H : 0);
+    w.xs = take(here ? (size_t)std::max<long long>(all_tokens, 1) * (a->H / 128) * 4 : 0);
   }
   w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
@@ -527,6 +543,23 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                    errlen, "act"))
       return 1;
   }
+  if (MOK_FP8_SRC_QUANT && a->fp8) {  // [R] e4m3 rows, then [R] scales: rank r's source-quantised copy
+    uint8_t** xq = reinterpret_cast<uint8_t**>(host + ws.src_ptrs);
+    float** xs = reinterpret_cast<float**>(xq + a->R);
+    long long row = 0;  // emulated: rank r's rows in the workspace copy
+    for (int r = 0; r < a->R; ++r) {
+      if (a->rank >= 0) {
+        if (!a->xq[r] || !a->xs[r])
+          return write_err(errbuf, errlen, "source-quantised copy of rank %d (xq / xs) is null", r);
+        xq[r] = reinterpret_cast<uint8_t*>(a->xq[r]);
+        xs[r] = reinterpret_cast<float*>(a->xs[r]);
+      } else {
+        xq[r] = wsp + ws.xq + (size_t)row * H;
+        xs[r] = reinterpret_cast<float*>(wsp + ws.xs) + (size_t)row * (H / 128);
+      }
+      row += a->T[r];
+    }
+  }
   mok::RankTable* rt = reinterpret_cast<mok::RankTable*>(host + ws.ranks);
   long long entry_base = 0;
   int chunk_base = 0;
@@ -608,8 +641,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.ring_scale = reinterpret_cast<float*>(wsp + ws.ring_scale);
     P.act_scale = reinterpret_cast<float*>(wsp + ws.act_scale);
     if (MOK_FP8_SRC_QUANT) {
-      P.xq = reinterpret_cast<uint8_t*>(wsp + ws.xq);
-      P.xs = reinterpret_cast<float*>(wsp + ws.xs);
+      P.xq = reinterpret_cast<uint8_t* const*>(wsp + ws.src_ptrs);
+      P.xs = reinterpret_cast<float* const*>(wsp + ws.src_ptrs) + a->R;
     }
   }
   P.err = reinterpret_cast<int*>(a->err);

@@ -60,7 +60,8 @@ constexpr int kInSmPullWarps = 3;      // warps 1-3 of the producer warpgroup
 constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3: one consumer warpgroup)
 
 // One source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1), read through L2
-// (ld.cg): quantize_sources wrote them in this launch.
+// (ld.cg): quantize_sources wrote them in this call (this launch, or a peer rank's launch), so no L1 line of
+// them may be trusted.
 template <int U>
 __device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                               const uint8_t* __restrict__ src, const float* __restrict__ src_scale,
@@ -70,10 +71,10 @@ __device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* 
   for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j] = __ldcg(src_scale + j);
 }
 
-// MOK_FP8_SRC_QUANT=1: every token of the ranks in this launch quantised once into P.xq / P.xs (all warps of
-// all CTAs, between the schedule's placement and its last grid barrier, which orders these writes before every
-// pull). The pulls then copy e4m3 rows: the same 1 x 128 blocks of the same rows as quantize_pull_row would
-// produce for each copy.
+// MOK_FP8_SRC_QUANT=1: every token of the ranks in this launch quantised once into its rank's copy P.xq[q] /
+// P.xs[q] (all warps of all CTAs, first thing after the start meet; grid barrier 1 orders these writes before
+// this launch's pulls, and a per-rank launch signals its peers after that barrier: peers_quantised). The pulls
+// then copy e4m3 rows: the same 1 x 128 blocks of the same rows as quantize_pull_row would produce per copy.
 template <int U>
 __device__ __forceinline__ void quantize_sources(const Params& P) {
   const int lane = threadIdx.x & 31;
@@ -81,9 +82,10 @@ __device__ __forceinline__ void quantize_sources(const Params& P) {
   const int H = P.H;
   for (int q = P.rank0; q < P.rank0 + P.nparts; ++q) {
     const RankTable& rt = P.ranks[q];
-    const long long base = rt.entry_base / P.K;
+    uint8_t* const xq = P.xq[q];
+    float* const xs = P.xs[q];
     for (int t = gw; t < rt.T; t += nw)
-      quantize_pull_row<U>(P.xq + (base + t) * H, P.xs + (base + t) * (H / kScaleBlock), rt.x + (long long)t * H, H,
+      quantize_pull_row<U>(xq + (long long)t * H, xs + (long long)t * (H / kScaleBlock), rt.x + (long long)t * H, H,
                            lane);
   }
 }
@@ -103,9 +105,9 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
     const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
     const long long r = slot_row(P, q, i, a, row, lr);
     if constexpr (kFp8 && MOK_FP8_SRC_QUANT) {
-      const long long g = P.ranks[src.x].entry_base / P.K + src.y / P.K;  // the token's source-quantised row
-      copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), P.xq + g * H,
-                       P.xs + g * (H / kScaleBlock), H, lane);
+      const long long t = src.y / P.K;  // the token's row of its rank's source-quantised copy
+      copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock),
+                       P.xq[src.x] + t * H, P.xs[src.x] + t * (H / kScaleBlock), H, lane);
     } else if constexpr (kFp8)
       quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), sp, H, lane);
     else

@@ -35,6 +35,7 @@ _PHASES = {
     9: "peer compute-done signal (a peer rank has not finished its experts)",
     10: "peer token count",
     12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, MOK_MACROBATCHES)",
+    13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy, MOK_FP8_SRC_QUANT=1)",
 }
 
 
@@ -86,6 +87,9 @@ class _Args(ctypes.Structure):
         ("keep_x", ctypes.c_ulonglong),
         ("keep_act", ctypes.c_ulonglong),
         ("keep_rows", ctypes.c_longlong),
+        # FP8 per-rank launch of a MOK_FP8_SRC_QUANT=1 build: every rank's source-quantised copy (peer_ep.py)
+        ("xq", ctypes.c_void_p),
+        ("xs", ctypes.c_void_p),
     ]
 
 

@@ -10,6 +10,10 @@ from collections.abc import Mapping
 
 import torch
 
+# phases whose timeout waits for a peer rank's signal (csrc/mok/common.cuh: kPhasePeerStart, kPhasePeerDone,
+# kPhasePeerSrcQuant)
+PEER_SIGNAL_PHASES = (8, 9, 13)
+
 
 class MokKernelError(RuntimeError):
     """Raised when a MoK kernel reports an error (timeout, invalid input) or cannot be launched."""
@@ -18,7 +22,8 @@ class MokKernelError(RuntimeError):
 def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: str, phases: Mapping[int, str]) -> str:
     code, rank, slot, phase, expected, seen, extra, block = err[:8]
     pname = phases.get(phase, f"phase {phase}")
-    if code == 1 and phase in (8, 9):  # per-rank launches: `extra` is the peer that did not signal
+    # per-rank launches, the peer signals (start, done, source-quantised): `extra` is the peer that did not signal
+    if code == 1 and phase in PEER_SIGNAL_PHASES:
         return (
             f"{kernel} timed out: rank {rank} waiting for {pname}: rank {extra} did not signal call {expected} "
             f"(its flag reads {seen}) within {timeout_ms:g} ms (CTA {block})"

@@ -9,7 +9,11 @@ What peers touch lives in one symmetric allocation per rank (:class:`PeerRegion`
                                backward: the same bytes receive the pushed input-row gradients (grad_buf)
   topk_w   [cap, K]     fp32   backward: owners scale the pulled output gradients by it
   grad_out [cap, H]     bf16   backward: home rank's output gradient; owners *pull* the rows they need
-  signal   [3, 72]      uint32 start / compute-done / token-count slots, written with the call's epoch
+  signal   [4, 72]      uint32 start / compute-done / token-count / source-quantised slots, written with
+                               the call's epoch
+  xq, xs   [cap, H] e4m3, [cap, H / 128] fp32 (``fp8_sources`` regions only): the home rank's tokens
+                               quantised once by its FP8 launch of a MOK_FP8_SRC_QUANT=1 build; owners pull
+                               e4m3 rows from there (half the bytes of the bf16 rows)
 
 Peer pointers come from torch symmetric memory (``symm_mem.empty`` + ``rendezvous``:
 ``buffer_ptrs[r]``); :meth:`PeerBuffers.on_one_gpu` builds the same regions for several ranks on
@@ -45,7 +49,8 @@ from .emulated import (
 )
 from .errors import MokKernelError, raise_recorded_error
 
-SIGNAL_KINDS = 3  # start, done, token count (csrc/mok/common.cuh SignalKind)
+SIGNAL_KINDS = 4  # start, done, token count, source-quantised (csrc/mok/common.cuh SignalKind)
+SCALE_BLOCK = 128  # columns per fp32 scale of the source-quantised rows (1 x 128 blocks)
 _ALIGN = 1024
 
 
@@ -67,11 +72,17 @@ class PeerRegion:
     grad_out_off: int
     signal_off: int
     nbytes: int
+    # the FP8 forward's source-quantised copy (MOK_FP8_SRC_QUANT=1 builds); offsets -1 in a region without it
+    fp8_sources: bool = False
+    xq_off: int = -1
+    xs_off: int = -1
 
     @staticmethod
-    def plan(tokens_cap: int, hidden: int, topk: int) -> PeerRegion:
+    def plan(tokens_cap: int, hidden: int, topk: int, fp8_sources: bool = False) -> PeerRegion:
         if tokens_cap < 1 or hidden < 1 or topk < 1:
             raise ValueError(f"PeerRegion: tokens_cap={tokens_cap}, hidden={hidden}, topk={topk} must be >= 1")
+        if fp8_sources and hidden % SCALE_BLOCK:
+            raise ValueError(f"PeerRegion: fp8_sources needs hidden a multiple of {SCALE_BLOCK}, got {hidden}")
         off = 0
         x_off = off
         off = _align(off + tokens_cap * hidden * 2)
@@ -85,8 +96,26 @@ class PeerRegion:
         off = _align(off + tokens_cap * hidden * 2)
         signal_off = off
         off = _align(off + SIGNAL_KINDS * MOK_MAX_RANKS * 4)
+        xq_off = xs_off = -1
+        if fp8_sources:
+            xq_off = off
+            off = _align(off + tokens_cap * hidden)
+            xs_off = off
+            off = _align(off + tokens_cap * (hidden // SCALE_BLOCK) * 4)
         return PeerRegion(
-            tokens_cap, hidden, topk, x_off, idx_off, combine_off, topk_w_off, grad_out_off, signal_off, off
+            tokens_cap,
+            hidden,
+            topk,
+            x_off,
+            idx_off,
+            combine_off,
+            topk_w_off,
+            grad_out_off,
+            signal_off,
+            off,
+            fp8_sources,
+            xq_off,
+            xs_off,
         )
 
 
@@ -114,6 +143,11 @@ class PeerBuffers:
         self.topk_w = view(region.topk_w_off, cap * K * 4, torch.float32, (cap, K))
         self.grad_out = view(region.grad_out_off, cap * H * 2, torch.bfloat16, (cap, H))
         self.signal = view(region.signal_off, SIGNAL_KINDS * MOK_MAX_RANKS * 4, torch.int32, (SIGNAL_KINDS, -1))
+        # the FP8 forward's source-quantised copy of this rank's tokens (written by its launches), or None
+        self.xq = self.xs = None
+        if region.fp8_sources:
+            self.xq = view(region.xq_off, cap * H, torch.uint8, (cap, H))
+            self.xs = view(region.xs_off, cap * (H // SCALE_BLOCK) * 4, torch.float32, (cap, H // SCALE_BLOCK))
         self.epoch = 0  # calls made; the kernel's signals carry epoch + 1
         self.workspace: torch.Tensor | None = None
         self.err = torch.zeros((16,), dtype=torch.int32, device=local.device)
@@ -124,14 +158,19 @@ class PeerBuffers:
         return self.ptrs[r] + off
 
     @classmethod
-    def symmetric(cls, group, tokens_cap: int, hidden: int, topk: int, device=None) -> PeerBuffers:
+    def symmetric(
+        cls, group, tokens_cap: int, hidden: int, topk: int, device=None, fp8_sources: bool | None = None
+    ) -> PeerBuffers:
         """Allocate this rank's region in torch symmetric memory and exchange peer pointers
-        (collective over ``group``; the signal pads start at zero on every rank)."""
+        (collective over ``group``; the signal pads start at zero on every rank). ``fp8_sources``: room for
+        the FP8 forward's source-quantised copy (None: when the loaded library's FP8 forward needs it,
+        :func:`megatron_mok.kernel.fp8_src_quant_built`, and H a multiple of 128; every rank must pass the
+        same)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        region = PeerRegion.plan(tokens_cap, hidden, topk)
+        region = PeerRegion.plan(tokens_cap, hidden, topk, _fp8_sources(fp8_sources, hidden))
         local = symm_mem.empty(region.nbytes, dtype=torch.uint8, device=device)
         local[region.signal_off : region.signal_off + SIGNAL_KINDS * MOK_MAX_RANKS * 4].zero_()
         handle = symm_mem.rendezvous(local, group)
@@ -143,13 +182,26 @@ class PeerBuffers:
         return bufs
 
     @classmethod
-    def on_one_gpu(cls, world: int, tokens_cap: int, hidden: int, topk: int, device=None) -> list[PeerBuffers]:
-        """``world`` ranks' regions on one GPU (tests): each rank gets its own PeerBuffers, as in real EP."""
+    def on_one_gpu(
+        cls, world: int, tokens_cap: int, hidden: int, topk: int, device=None, fp8_sources: bool | None = None
+    ) -> list[PeerBuffers]:
+        """``world`` ranks' regions on one GPU (tests): each rank gets its own PeerBuffers, as in real EP
+        (``fp8_sources`` as in :meth:`symmetric`)."""
         device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        region = PeerRegion.plan(tokens_cap, hidden, topk)
+        region = PeerRegion.plan(tokens_cap, hidden, topk, _fp8_sources(fp8_sources, hidden))
         regions = [torch.zeros((region.nbytes,), dtype=torch.uint8, device=device) for _ in range(world)]
         ptrs = [t.data_ptr() for t in regions]
         return [cls(r, world, region, regions[r], ptrs) for r in range(world)]
+
+
+def _fp8_sources(asked: bool | None, hidden: int) -> bool:
+    """A region's fp8_sources: as asked, or (None) when the loaded library's FP8 forward pulls source-quantised
+    rows (MOK_FP8_SRC_QUANT=1) and H allows FP8 at all (a multiple of 128: bf16-only widths get no copy)."""
+    if asked is not None:
+        return asked
+    from . import fp8_src_quant_built
+
+    return hidden % SCALE_BLOCK == 0 and fp8_src_quant_built()
 
 
 def _fail(msg: str) -> None:
@@ -225,6 +277,8 @@ def mok_forward_rank(
     keep: optional ``KeptRows`` with one part (rows: the owner capacity, as saved_h's): this rank's expert
     input and SwiGLU output rows stay there, for ``mok_backward_rank(..., kept=keep)`` (bf16 only).
     """
+    from . import fp8_src_quant_built
+
     refuse_capture("mok_forward_rank", "each launch meets its peers under a new epoch, which a replay would repeat")
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -279,6 +333,14 @@ def mok_forward_rank(
     args.tpe = arr(own_only(tpe.data_ptr()))
     set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device, dense=dense)
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
+    if fp8 is not None and fp8_src_quant_built():  # this rank quantises its tokens once, peers pull them
+        if not reg.fp8_sources:
+            _fail(
+                "this library's FP8 forward quantises each token at its source (built with MOK_FP8_SRC_QUANT=1): "
+                "build the PeerBuffers with fp8_sources=True"
+            )
+        args.xq = arr([bufs.peer(r, reg.xq_off) for r in range(R)])
+        args.xs = arr([bufs.peer(r, reg.xs_off) for r in range(R)])
     if saved_h is not None:
         _check_tensor(saved_h, "saved_h", torch.bfloat16, 2, device)
         if saved_h.shape[0] < 1 or saved_h.shape[1] != 2 * F or not saved_h.is_contiguous():

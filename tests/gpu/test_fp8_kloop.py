@@ -1,7 +1,7 @@
 """GPU: the FP8 kernels' build-time choices give the same bits: the two K loops (MOK_FP8_KLOOP:
 csrc/mok/fp8_kloop.cuh), the issue-order code left out (MOK_FP8_ORDERED=0, which refuses a non-zero
 MOK_FP8_ISSUE_ORDER with an error naming both), and each token quantised once at its source instead of every
-pulled copy (MOK_FP8_SRC_QUANT=1: the same 1 x 128 blocks of the same rows).
+pulled copy (MOK_FP8_SRC_QUANT=1: the same 1 x 128 blocks of the same rows), in emulated and per-rank launches.
 
 The pipelined halves promote the same accumulator elements by the same factors and run the same MMAs per
 element as the drained m64n256 loop, and the issue order only orders issues, so the FP8 forward (out,
@@ -40,6 +40,9 @@ def _run(kloop: int, path: Path, ordered: int = 1, src_quant: int = 0) -> dict:
     got = torch.load(path)
     # the subprocess ran the library it was asked for (else the comparison below could not fail)
     assert got["built"] == {"ordered": bool(ordered), "src_quant": bool(src_quant)}, (what, got["built"])
+    # a build that pulls source-quantised rows refuses per-rank FP8 launches over regions without the copy
+    refusal = got["fp8_sources_refusal"]
+    assert ("fp8_sources=True" in refusal) if src_quant else refusal == "", (what, refusal)
     return got["cases"]
 
 
