@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The table of scripts/ab_builds.sh: per build label, every process's interleaved medians as bench_fp8.py printed
 them (fp8 and bf16 ms, per call and device, per slice) and the median over the build's processes; the fp8 ratio of
-each build to the first one.
+each build to the first one. A process whose library (bench_fp8.py's "library build:" line) is not the build its
+label asks for -- the defaults, with the label's switches -- is reported first: its numbers are not that build's.
     python scripts/ab_builds_summary.py OUT "label|ENV=VAL" ...   (reads OUT/ab-<label>-<i>.log)
 """
 
@@ -15,6 +16,41 @@ from pathlib import Path
 # bench_fp8.py's two interleaved summary lines per slice (per call, then device time)
 CALL = re.compile(r"^SUMMARY (\w+) interleaved \(.*\| dense [\d.]+ bf16 ([\d.]+) fp8 ([\d.]+) ms")
 DEVICE = re.compile(r"^SUMMARY (\w+) interleaved, device time .*\| bf16 ([\d.]+) fp8 ([\d.]+) ms")
+BUILD = re.compile(r"^library build: (.*)$", re.M)
+
+
+def build_of(text: str) -> dict[str, int] | None:
+    """The build-time switches a bench_fp8.py log's library was compiled with, or None (no such line)."""
+    m = BUILD.search(text)
+    return None if m is None else {k: int(v) for k, v in (kv.split("=", 1) for kv in m[1].split())}
+
+
+def expected_build(envs: str) -> dict[str, int]:
+    """The switches of the build a label's "ENV=VAL ..." asks for: the defaults, with its own values."""
+    from megatron_mok.kernel import build
+
+    want = {
+        "MOK_ABLATION": 0,
+        "MOK_FP8_KLOOP": build.FP8_KLOOP_DEFAULT,
+        "MOK_FP8_ORDERED": build.FP8_ORDERED_DEFAULT,
+        "MOK_FP8_SRC_QUANT": build.FP8_SRC_QUANT_DEFAULT,
+    }
+    for kv in envs.split():
+        k, _, v = kv.partition("=")
+        if k in want:
+            want[k] = int(v)
+    return want
+
+
+def build_warnings(label: str, envs: str, texts: list[str]) -> list[str]:
+    """One line per process of the label whose library is not the build asked for."""
+    want = expected_build(envs)
+    out = []
+    for i, text in enumerate(texts, 1):
+        got = build_of(text)
+        if got != want:
+            out.append(f"WARNING {label} run {i}: library build {got} is not the one asked for {want}")
+    return out
 
 
 def parse(text: str) -> dict[str, dict[str, float]]:
@@ -63,13 +99,16 @@ def summarize(runs: dict[str, list[dict[str, dict[str, float]]]]) -> list[str]:
 def main(argv: list[str]) -> None:
     out = Path(argv[1])
     runs: dict[str, list[dict[str, dict[str, float]]]] = {}
+    warnings: list[str] = []
     for spec in argv[2:]:
-        label = spec.split("|", 1)[0]
+        label, _, envs = spec.partition("|")
         if not label:
             continue
         logs = sorted(out.glob(f"ab-{label}-[0-9]*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
-        runs[label] = [parse(p.read_text()) for p in logs]
-    print("\n".join(summarize(runs)))
+        texts = [p.read_text() for p in logs]
+        warnings += build_warnings(label, envs, texts)
+        runs[label] = [parse(t) for t in texts]
+    print("\n".join(warnings + summarize(runs)))
 
 
 if __name__ == "__main__":

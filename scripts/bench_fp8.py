@@ -524,8 +524,13 @@ def main() -> int:
     if not mk.is_available():
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
         return 1
+    from megatron_mok.kernel.build import build_choices
+
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
-    results: list = []
+    # which library the figures are from (build-time switches: scripts/ab_builds.sh compares them)
+    choices = build_choices()
+    print("library build: " + " ".join(f"{k}={v}" for k, v in choices.items()), flush=True)
+    results: list = [{"build": choices}]
     for name in args.shapes.split(","):
         bench(name.strip(), args, results)
     if args.json:

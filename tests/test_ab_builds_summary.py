@@ -46,3 +46,21 @@ def test_medians_and_ratio_to_the_first_build(tmp_path):
 @pytest.mark.parametrize("line", ["", "SUMMARY kimi: bf16 8.967 ms", "SUMMARY kimi backward: bf16 20.350 ms"])
 def test_other_lines_are_ignored(line):
     assert _load().parse(line) == {}
+
+
+def test_a_process_of_the_wrong_build_is_reported():
+    mod = _load()
+    line = "library build: MOK_ABLATION=0 MOK_FP8_KLOOP=0 MOK_FP8_ORDERED=0 MOK_FP8_SRC_QUANT={}\n"
+    assert mod.build_of(line.format(1)) == {
+        "MOK_ABLATION": 0,
+        "MOK_FP8_KLOOP": 0,
+        "MOK_FP8_ORDERED": 0,
+        "MOK_FP8_SRC_QUANT": 1,
+    }
+    assert mod.build_of("SUMMARY kimi: bf16 8.967 ms") is None
+    srcq, base = line.format(1), line.format(0)
+    assert mod.build_warnings("srcq", "MOK_FP8_SRC_QUANT=1", [srcq, srcq]) == []
+    assert mod.build_warnings("base", "", [base]) == []  # the defaults
+    bad = mod.build_warnings("srcq", "MOK_FP8_SRC_QUANT=1", [srcq, base, "no build line"])
+    assert [w.split(":")[0] for w in bad] == ["WARNING srcq run 2", "WARNING srcq run 3"]
+    assert mod.build_warnings("base", "", [srcq])[0].startswith("WARNING base run 1")

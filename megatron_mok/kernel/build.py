@@ -122,6 +122,16 @@ def fp8_src_quant() -> int:
     )
 
 
+def build_choices() -> dict[str, int]:
+    """The build-time switches the library is compiled with (each set of values is a library of its own)."""
+    return {
+        "MOK_ABLATION": int(os.environ.get("MOK_ABLATION") == "1"),
+        "MOK_FP8_KLOOP": fp8_kloop(),
+        "MOK_FP8_ORDERED": fp8_ordered(),
+        "MOK_FP8_SRC_QUANT": fp8_src_quant(),
+    }
+
+
 def nvcc_flags(include: Path, src: Path) -> list[str]:
     flags = [
         "-gencode=arch=compute_90a,code=sm_90a",
@@ -133,11 +143,10 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
         f"-I{include}",
         f"-I{src}",
     ]
-    if os.environ.get("MOK_ABLATION") == "1":  # timing-ablation variant (see csrc/mok/common.cuh)
+    choices = build_choices()
+    if choices.pop("MOK_ABLATION"):  # timing-ablation variant (see csrc/mok/common.cuh)
         flags.append("-DMOK_ABLATION")
-    flags.append(f"-DMOK_FP8_KLOOP={fp8_kloop()}")
-    flags.append(f"-DMOK_FP8_ORDERED={fp8_ordered()}")
-    flags.append(f"-DMOK_FP8_SRC_QUANT={fp8_src_quant()}")
+    flags += [f"-D{name}={value}" for name, value in choices.items()]
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags
