@@ -9,7 +9,10 @@
 #      the ones not yet passing on a GPU; "" none), MOK_SUITE_FP8_ARGS the fp8 benchmark's arguments (e.g. an interleaved
 #      A/B of a launcher knob: "--comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 13 --no-graphs
 #      --ab-env MOK_CONSUMER_SYNC=1 --ab-env-kinds fp8"; build-time switches such as MOK_FP8_ORDERED are not
-#      launcher knobs: they need a process of their own).
+#      launcher knobs: they need a process of their own), MOK_SUITE_PREBUILD ';'-separated build-time switch sets
+#      ("ENV=VAL ENV=VAL") whose forward and backward libraries are built in parallel, with the defaults', before the
+#      tests, so tests that run other builds in subprocesses (tests/gpu/test_fp8_kloop.py: "MOK_FP8_ORDERED=1;
+#      MOK_FP8_SRC_QUANT=1;MOK_FP8_KLOOP=2 MOK_FP8_ORDERED=1") find them in the cache instead of building one by one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_env.sh
@@ -29,6 +32,22 @@ if log.exists():
 import megatron_mok.kernel as k
 print("is_available:", k.is_available(), k.unavailable_reason())
 PY
+if [ -n "${MOK_SUITE_PREBUILD:-}" ]; then
+  t0=$SECONDS
+  IFS=';' read -ra SETS <<<"$MOK_SUITE_PREBUILD"
+  n=0
+  for envs in "" "${SETS[@]}"; do  # the defaults first
+    for part in forward:build backward:backward; do
+      # shellcheck disable=SC2086  # the env assignments are meant to split into words
+      env $envs timeout 300 python3 -c "from megatron_mok.kernel import ${part#*:} as b; b.build_library()" \
+        >"$OUT/prebuild-$n-${part%%:*}.log" 2>&1 &
+    done
+    echo "   set $n: ${envs:-the defaults}" >>"$OUT/prebuild.log"
+    n=$((n + 1))
+  done
+  wait
+  echo "== prebuilt $n build sets (forward + backward) in $((SECONDS - t0)) s" | tee -a "$OUT/prebuild.log"
+fi
 rc=0
 if [ "${MOK_SUITE_TESTS:-1}" != "0" ]; then
   echo "== tests"
