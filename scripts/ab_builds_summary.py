@@ -34,6 +34,7 @@ def expected_build(envs: str) -> dict[str, int]:
         "MOK_FP8_KLOOP": build.FP8_KLOOP_DEFAULT,
         "MOK_FP8_ORDERED": build.FP8_ORDERED_DEFAULT,
         "MOK_FP8_SRC_QUANT": build.FP8_SRC_QUANT_DEFAULT,
+        "MOK_FP8_SCALE_KMAJOR": build.FP8_SCALE_KMAJOR_DEFAULT,
     }
     for kv in envs.split():
         k, _, v = kv.partition("=")

@@ -50,12 +50,15 @@ def test_other_lines_are_ignored(line):
 
 def test_a_process_of_the_wrong_build_is_reported():
     mod = _load()
-    line = "library build: MOK_ABLATION=0 MOK_FP8_KLOOP=0 MOK_FP8_ORDERED=0 MOK_FP8_SRC_QUANT={}\n"
+    line = (
+        "library build: MOK_ABLATION=0 MOK_FP8_KLOOP=0 MOK_FP8_ORDERED=0 MOK_FP8_SRC_QUANT={} MOK_FP8_SCALE_KMAJOR=0\n"
+    )
     assert mod.build_of(line.format(1)) == {
         "MOK_ABLATION": 0,
         "MOK_FP8_KLOOP": 0,
         "MOK_FP8_ORDERED": 0,
         "MOK_FP8_SRC_QUANT": 1,
+        "MOK_FP8_SCALE_KMAJOR": 0,
     }
     assert mod.build_of("SUMMARY kimi: bf16 8.967 ms") is None
     srcq, base = line.format(1), line.format(0)

@@ -23,6 +23,14 @@ SWITCHES = [
     ),
     ("MOK_FP8_ORDERED", build.fp8_ordered, 0, build.FP8_ORDERED_DEFAULT, (0, 1), ["2", "yes", "01", "-1"]),
     ("MOK_FP8_SRC_QUANT", build.fp8_src_quant, 0, build.FP8_SRC_QUANT_DEFAULT, (0, 1), ["2", "on", "01", "-1"]),
+    (
+        "MOK_FP8_SCALE_KMAJOR",
+        build.fp8_scale_kmajor,
+        0,
+        build.FP8_SCALE_KMAJOR_DEFAULT,
+        (0, 1),
+        ["2", "t", "1.0", "-1", "01"],
+    ),
 ]
 
 
@@ -59,3 +67,5 @@ def test_fp8_kloop_source_agrees():
     assert build.FP8_ORDERED_CHOICES == (0, 1)
     assert "static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1" in common
     assert build.FP8_SRC_QUANT_CHOICES == (0, 1)
+    assert "static_assert(MOK_FP8_SCALE_KMAJOR == 0 || MOK_FP8_SCALE_KMAJOR == 1" in common
+    assert build.FP8_SCALE_KMAJOR_CHOICES == (0, 1)

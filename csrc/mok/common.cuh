@@ -35,6 +35,17 @@ static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED mus
 #define MOK_FP8_SRC_QUANT 0
 #endif
 static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUANT must be 0 or 1");
+// MOK_FP8_SCALE_KMAJOR 1: the FP8 forward's activation scales (ring_scale of the pulled rows, act_scale of the SwiGLU
+// output) are stored K-block-major, [block][row] over the launch's slot rows (fp8_scale_at). The K loop's scale
+// loads (per thread, rows r and r + 8 of its fragment, one K block ahead) then read 8 consecutive rows per warp
+// load: one L2 sector instead of eight, 16 sector reads per SM and K block instead of 128 (~8 % on top of the
+// 48 KB of operands the TMA brings). The writers pay instead: the pull's 56 scales of a row land in 56 sectors
+// (written once, read by every n-tile of the row), the fc1 epilogue's 8 rows per warp in one. 0 (default):
+// [row][block]. Same scales, same arithmetic: same bits.
+#ifndef MOK_FP8_SCALE_KMAJOR
+#define MOK_FP8_SCALE_KMAJOR 0
+#endif
+static_assert(MOK_FP8_SCALE_KMAJOR == 0 || MOK_FP8_SCALE_KMAJOR == 1, "MOK_FP8_SCALE_KMAJOR must be 0 or 1");
 
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
 // -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
@@ -191,14 +202,27 @@ struct Params {
   // above, reinterpreted), with one fp32 scale per 1 x 128 block of each row; the expert weights (tensor
   // maps) are e4m3 with one fp32 scale per 128 x 128 block. Null in the bf16 kernel.
   const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
-  float* ring_scale;                  // [nparts][S][slot_rows][H / 128]
-  float* act_scale;                   // [nparts][S][slot_rows][F / 128]
+  float* ring_scale;                  // [nparts][S][slot_rows][H / 128]; MOK_FP8_SCALE_KMAJOR=1: [H / 128][nparts*S*slot_rows]
+  float* act_scale;                   // [nparts][S][slot_rows][F / 128]; MOK_FP8_SCALE_KMAJOR=1: [F / 128][nparts*S*slot_rows]
   // FP8 forward of a MOK_FP8_SRC_QUANT=1 build: rank r's tokens as e4m3 rows with their 1 x 128 scales, written
   // by r's launch before the pulls (emulated: workspace; per-rank launches: r's symmetric region, peer
   // pointers). Null otherwise.
   uint8_t* const* xq;                 // [R] -> [T_r][H]
   float* const* xs;                   // [R] -> [T_r][H / 128]
 };
+
+// Float index of (slot row r, K block kb) in the FP8 forward's activation-scale buffers (ring_scale: nk = H / 128,
+// act_scale: nk = F / 128; r = the flattened slot row, part * S * slot_rows + slot * slot_rows + row), and the
+// floats between a row's consecutive K blocks: [row][block] by default, [block][row] under MOK_FP8_SCALE_KMAJOR=1.
+__device__ __forceinline__ long long fp8_scale_rows(const Params& P) {
+  return (long long)P.nparts * P.ring_slots * P.slot_rows;
+}
+__device__ __forceinline__ long long fp8_scale_at(const Params& P, long long r, int kb, int nk) {
+  return MOK_FP8_SCALE_KMAJOR ? kb * fp8_scale_rows(P) + r : r * nk + kb;
+}
+__device__ __forceinline__ long long fp8_scale_step(const Params& P) {
+  return MOK_FP8_SCALE_KMAJOR ? fp8_scale_rows(P) : 1;
+}
 
 // The FP8 issue order a launch runs (fp8_kloop.cuh): 0 in a build without the issue-order code
 // (MOK_FP8_ORDERED=0), as a constant, so every branch on it compiles away there.

@@ -434,8 +434,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
-      const float* sa0 = r_lo < ti.rows ? sa + (srow + r_lo) * nk : nullptr;
-      const float* sa1 = r_lo + 8 < ti.rows ? sa + (srow + r_lo + 8) * nk : nullptr;
+      const float* sa0 = r_lo < ti.rows ? sa + fp8_scale_at(P, srow + r_lo, 0, nk) : nullptr;
+      const float* sa1 = r_lo + 8 < ti.rows ? sa + fp8_scale_at(P, srow + r_lo + 8, 0, nk) : nullptr;
       const float* ws = P.wscale[2 * (q * P.L + ti.expert - P.rank0 * P.L) + (ti.kind == 1 ? 0 : 1)];
       const float *sb0, *sb1;
       if (ti.kind == 1) {  // B = [128 gate rows of block nt ; 128 up rows of block F/128 + nt]
@@ -445,7 +445,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         sb0 = ws + (long long)(2 * ti.nt) * nk;
         sb1 = 2 * ti.nt + 1 < H / kScaleBlock ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       }
-      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
+      ffn_kloop_fp8(P, q, sm, wgc, nk, sa0, sa1, fp8_scale_step(P), sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0) {  // the previous fc2 / fc1 tile's release, MMAs in flight (one group at most: wait<0>)
           if (lt == 0) rel.flush();
           act_rel.flush(wg_bar, lt);
@@ -528,7 +528,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
         else swiglu_row(h, [](float g) { return silu_f(g); });
         const bool ok = r < ti.rows && !MOK_DBG(4);
         uint8_t* dst = ok ? reinterpret_cast<uint8_t*>(P.act) + (srow + r) * F + ti.nt * kFc1ActCols : nullptr;
-        store_act_row_e4m3(dst, P.act_scale + (srow + r) * (F / kScaleBlock) + ti.nt, acc, h, lane);
+        store_act_row_e4m3(dst, P.act_scale + fp8_scale_at(P, srow + r, ti.nt, F / kScaleBlock), acc, h, lane);
       }
     } else {
       __nv_bfloat16* act = P.act + srow * F;

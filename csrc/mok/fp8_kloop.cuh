@@ -11,8 +11,8 @@
 namespace mok {
 
 // FP8 K loop of one tile: acc = sum_kb P_kb * sa[row, kb] * sb[col block, kb] (see rescale_half).
-// sa0 / sa1: this thread's two rows' activation scales ([*, nkb] fp32, written in this kernel: read
-// through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
+// sa0 / sa1: this thread's two rows' activation scales, block kb at sa0[kb * sa_step] (fp32, written in this
+// kernel: read through L2), nullptr for rows past the tile; sb0 / sb1: the two column blocks' weight scales
 // ([*, nkb], nullptr past the matrix). Each K block is one WGMMA group of four m64n256k32 (A read once
 // for both 128-column scale blocks); before block kb's group the accumulator waits for block kb-1's
 // (wait<0>) and is rescaled to block kb's scales, per row and per 128-column half.
@@ -80,14 +80,16 @@ struct NoHook {
 // ffn_kloop_fp8 (same FMULs, same MMAs per element), so the same bits.
 // The cost: A is read from smem twice per K step (once per half) instead of once.
 struct Fp8SplitState {
-  const float *sa0, *sa1, *sb0, *sb1;
+  const float *sa0, *sa1;
+  long long sa_step;
+  const float *sb0, *sb1;
   int nk;
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the scales acc is in units of (the last block's)
   float na0 = 1.f, na1 = 1.f, nb0 = 1.f, nb1 = 1.f;  // the next block's, loaded one block ahead
   __device__ __forceinline__ void load(int kb) {
     if (kb < nk) {
-      na0 = sa0 ? __ldcg(sa0 + kb) : 1.f;
-      na1 = sa1 ? __ldcg(sa1 + kb) : 1.f;
+      na0 = sa0 ? __ldcg(sa0 + kb * sa_step) : 1.f;
+      na1 = sa1 ? __ldcg(sa1 + kb * sa_step) : 1.f;
       nb0 = sb0 ? __ldg(sb0 + kb) : 1.f;
       nb1 = sb1 ? __ldg(sb1 + kb) : 1.f;
     }
@@ -166,10 +168,11 @@ __device__ __forceinline__ void fp8_split_blocks(const Params& P, int q, const S
 }
 template <int U, class Smem, class Hook>
 __device__ __forceinline__ void ffn_kloop_fp8_split(const Params& P, int q, const Smem& sm, int wgc, int nk,
-                                                    const float* sa0, const float* sa1, const float* sb0,
-                                                    const float* sb1, float* acc, int& st, uint32_t& ph,
-                                                    Hook& after_issue, uint64_t* issued, bool after_landing) {
-  Fp8SplitState s{sa0, sa1, sb0, sb1, nk};
+                                                    const float* sa0, const float* sa1, long long sa_step,
+                                                    const float* sb0, const float* sb1, float* acc, int& st,
+                                                    uint32_t& ph, Hook& after_issue, uint64_t* issued,
+                                                    bool after_landing) {
+  Fp8SplitState s{sa0, sa1, sa_step, sb0, sb1, nk};
   s.load(0);
   int kb = 0;
   for (; kb + U <= nk; kb += U) fp8_split_blocks<U>(P, q, sm, wgc, kb, s, acc, st, ph, after_issue, issued, after_landing);
@@ -189,12 +192,13 @@ static_assert(MOK_FP8_KLOOP == 0 || MOK_FP8_KLOOP == 2, "MOK_FP8_KLOOP must be 0
 
 template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,
-                                              const float* sa0, const float* sa1, const float* sb0,
-                                              const float* sb1, float* acc, int& st, uint32_t& ph,
+                                              const float* sa0, const float* sa1, long long sa_step,
+                                              const float* sb0, const float* sb1, float* acc, int& st, uint32_t& ph,
                                               Hook after_issue = Hook{}, uint64_t* issued = nullptr,
                                               bool after_landing = false) {
   if constexpr (MOK_FP8_KLOOP == 2) {
-    ffn_kloop_fp8_split<2>(P, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, after_issue, issued, after_landing);
+    ffn_kloop_fp8_split<2>(P, q, sm, wgc, nk, sa0, sa1, sa_step, sb0, sb1, acc, st, ph, after_issue, issued,
+                           after_landing);
     return;
   }
   const int lt = threadIdx.x & 127;
@@ -211,13 +215,19 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   // back: scripts/NOTES-kernel.md, eleventh session.)
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
+  const float *ka0 = sa0, *ka1 = sa1;  // MOK_FP8_SCALE_KMAJOR: the last loaded block's scale (one step per block)
   float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
   int prev = 0;
   for (int kb = 0; kb < nk; ++kb) {
     const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
     if (kb + 1 < nk) {
-      na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
-      na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
+      if constexpr (MOK_FP8_SCALE_KMAJOR) {  // a step of sa_step floats per block (the default: 1, below)
+        if (sa0) na0 = __ldcg(ka0 += sa_step);
+        if (sa1) na1 = __ldcg(ka1 += sa_step);
+      } else {
+        na0 = sa0 ? __ldcg(sa0 + kb + 1) : 1.f;
+        na1 = sa1 ? __ldcg(sa1 + kb + 1) : 1.f;
+      }
       nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
       nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
     }

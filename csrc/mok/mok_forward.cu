@@ -372,6 +372,9 @@ int mok_fp8_ordered_build() { return MOK_FP8_ORDERED; }
 // Whether the FP8 forward of this library quantises each token once at its source (build-time MOK_FP8_SRC_QUANT).
 int mok_fp8_src_quant_build() { return MOK_FP8_SRC_QUANT; }
 
+// Whether the FP8 forward of this library keeps its activation scales K-block-major (build-time MOK_FP8_SCALE_KMAJOR).
+int mok_fp8_scale_kmajor_build() { return MOK_FP8_SCALE_KMAJOR; }
+
 int mok_smem_bytes(int E) {
   return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
 }

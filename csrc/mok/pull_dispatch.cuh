@@ -61,14 +61,14 @@ constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3
 
 // One source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1), read through L2
 // (ld.cg): quantize_sources wrote them in this call (this launch, or a peer rank's launch), so no L1 line of
-// them may be trusted.
+// them may be trusted. Scale j goes to dst_scale[j * scale_step] (common.cuh: fp8_scale_step).
 template <int U>
 __device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                               const uint8_t* __restrict__ src, const float* __restrict__ src_scale,
-                                              int H, int lane) {
+                                              int H, int lane, long long scale_step) {
   copy_vectors<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), H / 16, lane,
                   [](const uint4* p) { return __ldcg(p); });
-  for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j] = __ldcg(src_scale + j);
+  for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j * scale_step] = __ldcg(src_scale + j);
 }
 
 // MOK_FP8_SRC_QUANT=1: every token of the ranks in this launch quantised once into its rank's copy P.xq[q] /
@@ -106,10 +106,11 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
     const long long r = slot_row(P, q, i, a, row, lr);
     if constexpr (kFp8 && MOK_FP8_SRC_QUANT) {
       const long long t = src.y / P.K;  // the token's row of its rank's source-quantised copy
-      copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock),
-                       P.xq[src.x] + t * H, P.xs[src.x] + t * (H / kScaleBlock), H, lane);
+      copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
+                       P.xq[src.x] + t * H, P.xs[src.x] + t * (H / kScaleBlock), H, lane, fp8_scale_step(P));
     } else if constexpr (kFp8)
-      quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + r * (H / kScaleBlock), sp, H, lane);
+      quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
+                           sp, H, lane, fp8_scale_step(P));
     else
       copy_row_bf16<U>(P.ring + r * H, sp, H, lane);
   }

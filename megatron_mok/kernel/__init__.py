@@ -40,6 +40,7 @@ __all__ = [
     "compile_only",
     "fp8_issue_order_built",
     "fp8_src_quant_built",
+    "fp8_scale_kmajor_built",
     "is_available",
     "mok_forward_emulated",
     "mok_forward_rank",
@@ -69,6 +70,12 @@ def fp8_src_quant_built() -> bool:
     """Whether the loaded library's FP8 forward quantises each token once at its source (built with
     MOK_FP8_SRC_QUANT=1) instead of every pulled copy."""
     return bool(_load_library().mok_fp8_src_quant_build())
+
+
+def fp8_scale_kmajor_built() -> bool:
+    """Whether the loaded library's FP8 forward keeps its activation scales K-block-major ([block][row]: built with
+    MOK_FP8_SCALE_KMAJOR=1), so a warp's scale load in the K loop reads one sector instead of eight."""
+    return bool(_load_library().mok_fp8_scale_kmajor_build())
 
 
 def _load_library():

@@ -69,14 +69,18 @@ def cutlass_include() -> Path | None:
 #                    every 2 blocks (same bits)
 #   MOK_FP8_ORDERED  1: the issue-order barriers compiled in (MOK_FP8_ISSUE_ORDER picks 0 / 1 / 2 per launch,
 #                    default 1); 0 (default): left out (order 0 only; the code cost time even when switched off)
-#   MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once at its source and pulls e4m3 rows (same bits;
-#                    emulated launches only); 0 (default): every pulled copy is quantised (not yet timed against 1)
+#   MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once at its source and pulls e4m3 rows (same bits);
+#                    0 (default): every pulled copy is quantised (not yet timed against 1)
+#   MOK_FP8_SCALE_KMAJOR 1: the FP8 forward keeps its activation scales K-block-major ([block][row]), so a warp's
+#                    scale load in the K loop reads one sector instead of eight (same bits); 0 (default): row-major
 FP8_KLOOP_DEFAULT = 0
 FP8_KLOOP_CHOICES = (0, 2)
 FP8_ORDERED_DEFAULT = 0
 FP8_ORDERED_CHOICES = (0, 1)
 FP8_SRC_QUANT_DEFAULT = 0
 FP8_SRC_QUANT_CHOICES = (0, 1)
+FP8_SCALE_KMAJOR_DEFAULT = 0
+FP8_SCALE_KMAJOR_CHOICES = (0, 1)
 
 
 def _build_choice(name: str, default: int, choices: tuple[int, ...], meaning: str) -> int:
@@ -122,6 +126,17 @@ def fp8_src_quant() -> int:
     )
 
 
+def fp8_scale_kmajor() -> int:
+    """Whether the FP8 forward keeps its activation scales K-block-major: ``MOK_FP8_SCALE_KMAJOR`` (0 / 1) or the
+    default."""
+    return _build_choice(
+        "MOK_FP8_SCALE_KMAJOR",
+        FP8_SCALE_KMAJOR_DEFAULT,
+        FP8_SCALE_KMAJOR_CHOICES,
+        "1: activation scales [K block][row], 0: [row][K block]",
+    )
+
+
 def build_choices() -> dict[str, int]:
     """The build-time switches the library is compiled with (each set of values is a library of its own)."""
     return {
@@ -129,6 +144,7 @@ def build_choices() -> dict[str, int]:
         "MOK_FP8_KLOOP": fp8_kloop(),
         "MOK_FP8_ORDERED": fp8_ordered(),
         "MOK_FP8_SRC_QUANT": fp8_src_quant(),
+        "MOK_FP8_SCALE_KMAJOR": fp8_scale_kmajor(),
     }
 
 

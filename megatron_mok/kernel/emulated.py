@@ -178,6 +178,8 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_fp8_ordered_build.argtypes = []
         lib.mok_fp8_src_quant_build.restype = ctypes.c_int
         lib.mok_fp8_src_quant_build.argtypes = []
+        lib.mok_fp8_scale_kmajor_build.restype = ctypes.c_int
+        lib.mok_fp8_scale_kmajor_build.argtypes = []
         _lib = lib
         return lib
 

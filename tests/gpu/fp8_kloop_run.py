@@ -1,6 +1,6 @@
 """Subprocess body of test_fp8_kloop.py: the FP8 forward and dgrad of a few cases (emulated EP) and the FP8 forward
-of per-rank launches, with the library this process builds (MOK_FP8_KLOOP / MOK_FP8_ORDERED / MOK_FP8_SRC_QUANT
-are read at build time), saved to argv[1] with the build choices the loaded library reports, for a bitwise
+of per-rank launches, with the library this process builds (MOK_FP8_KLOOP / MOK_FP8_ORDERED / MOK_FP8_SRC_QUANT /
+MOK_FP8_SCALE_KMAJOR are read at build time), saved to argv[1] with the build choices the loaded library reports, for a bitwise
 comparison; with argv[2] == "refusal", instead a launch with MOK_FP8_ISSUE_ORDER=1 whose error is printed."""
 
 from __future__ import annotations
@@ -57,7 +57,11 @@ def main(path: str) -> None:
         }
     for n, case in enumerate(RANK_CASES):
         out[f"rank{n}"] = rank_case(n, *case)
-    built = {"ordered": kernel.fp8_issue_order_built(), "src_quant": kernel.fp8_src_quant_built()}
+    built = {
+        "ordered": kernel.fp8_issue_order_built(),
+        "src_quant": kernel.fp8_src_quant_built(),
+        "scale_kmajor": kernel.fp8_scale_kmajor_built(),
+    }
     torch.save({"cases": out, "built": built, "fp8_sources_refusal": fp8_sources_refusal()}, path)
 
 

@@ -1,7 +1,8 @@
 """GPU: the FP8 kernels' build-time choices give the same bits: the two K loops (MOK_FP8_KLOOP:
 csrc/mok/fp8_kloop.cuh), the issue-order code left out (MOK_FP8_ORDERED=0, which refuses a non-zero
 MOK_FP8_ISSUE_ORDER with an error naming both), and each token quantised once at its source instead of every
-pulled copy (MOK_FP8_SRC_QUANT=1: the same 1 x 128 blocks of the same rows), in emulated and per-rank launches.
+pulled copy (MOK_FP8_SRC_QUANT=1: the same 1 x 128 blocks of the same rows), in emulated and per-rank launches,
+and the activation scales kept K-block-major (MOK_FP8_SCALE_KMAJOR=1: the same scales in another order).
 
 The pipelined halves promote the same accumulator elements by the same factors and run the same MMAs per
 element as the drained m64n256 loop, and the issue order only orders issues, so the FP8 forward (out,
@@ -25,21 +26,30 @@ pytestmark = pytest.mark.gpu
 RUNNER = Path(__file__).with_name("fp8_kloop_run.py")
 
 
-def _proc(kloop: int, ordered: int, *args: str, src_quant: int = 0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MOK_FP8_KLOOP=str(kloop), MOK_FP8_ORDERED=str(ordered), MOK_FP8_SRC_QUANT=str(src_quant))
+def _proc(kloop: int, ordered: int, *args: str, src_quant: int = 0, kmajor: int = 0) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        MOK_FP8_KLOOP=str(kloop),
+        MOK_FP8_ORDERED=str(ordered),
+        MOK_FP8_SRC_QUANT=str(src_quant),
+        MOK_FP8_SCALE_KMAJOR=str(kmajor),
+    )
     env.pop("MOK_FP8_ISSUE_ORDER", None)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(RUNNER), *args], env=env, capture_output=True, text=True, timeout=600)
 
 
-def _run(kloop: int, path: Path, ordered: int = 1, src_quant: int = 0) -> dict:
-    res = _proc(kloop, ordered, str(path), src_quant=src_quant)
-    what = f"MOK_FP8_KLOOP={kloop} MOK_FP8_ORDERED={ordered} MOK_FP8_SRC_QUANT={src_quant}"
+def _run(kloop: int, path: Path, ordered: int = 1, src_quant: int = 0, kmajor: int = 0) -> dict:
+    res = _proc(kloop, ordered, str(path), src_quant=src_quant, kmajor=kmajor)
+    what = (
+        f"MOK_FP8_KLOOP={kloop} MOK_FP8_ORDERED={ordered} MOK_FP8_SRC_QUANT={src_quant} MOK_FP8_SCALE_KMAJOR={kmajor}"
+    )
     assert res.returncode == 0, f"{what}: rc {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     got = torch.load(path)
     # the subprocess ran the library it was asked for (else the comparison below could not fail)
-    assert got["built"] == {"ordered": bool(ordered), "src_quant": bool(src_quant)}, (what, got["built"])
+    want = {"ordered": bool(ordered), "src_quant": bool(src_quant), "scale_kmajor": bool(kmajor)}
+    assert got["built"] == want, (what, got["built"])
     # a build that pulls source-quantised rows refuses per-rank FP8 launches over regions without the copy
     refusal = got["fp8_sources_refusal"]
     assert ("fp8_sources=True" in refusal) if src_quant else refusal == "", (what, refusal)
@@ -63,7 +73,11 @@ def test_fp8_build_choices_give_identical_bits(kernel, bk, tmp_path):
     a = _run(0, tmp_path / "k0.pt")  # the build with the issue-order code (order 1, its default)
     _same_bits(a, _run(0, tmp_path / "o0.pt", ordered=0), "MOK_FP8_ORDERED=0")
     _same_bits(a, _run(0, tmp_path / "s1.pt", ordered=0, src_quant=1), "MOK_FP8_SRC_QUANT=1")
+    _same_bits(a, _run(0, tmp_path / "m1.pt", ordered=0, kmajor=1), "MOK_FP8_SCALE_KMAJOR=1")
+    both = _run(0, tmp_path / "sm1.pt", ordered=0, src_quant=1, kmajor=1)
+    _same_bits(a, both, "MOK_FP8_SRC_QUANT=1 MOK_FP8_SCALE_KMAJOR=1")
     _same_bits(a, _run(2, tmp_path / "k2.pt"), "MOK_FP8_KLOOP=2")
+    _same_bits(a, _run(2, tmp_path / "k2m1.pt", ordered=0, kmajor=1), "MOK_FP8_KLOOP=2 MOK_FP8_SCALE_KMAJOR=1")
 
 
 def test_fp8_unordered_build_refuses_an_issue_order(kernel):

@@ -478,7 +478,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const int nb = (ti.kind == 1 ? F : H) / kScaleBlock;  // 128-row blocks of B (W2^T / W1^T)
       const float* sb0 = ws + (long long)(2 * ti.nt) * nk;
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
-      ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, sb0, sb1, acc, st, ph, [&](int kb) {
+      ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, 1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
       }, fp8_issue_order(B) ? sm.issued : nullptr, fp8_issue_order(B) == 2);
     } else {
