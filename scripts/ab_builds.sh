@@ -40,5 +40,5 @@ IFS=';' read -ra LIST <<<"$BUILDS"
       grep -E "^SUMMARY .* interleaved" "$OUT/ab-$label-$i.log" | sed 's/^/   /'
     done
   done
-  python3 scripts/ab_builds_summary.py "$OUT" "${LIST[@]}"
+  PYTHONPATH="$MOK_SITE$PWD" python3 scripts/ab_builds_summary.py "$OUT" "${LIST[@]}"
 } 2>&1 | tee "$OUT/ab-builds-summary.log"
