@@ -5,7 +5,7 @@
 # process's interleaved medians (fp8 and bf16 ms, per call and device) and the median of each build's processes.
 #   bash scripts/ab_builds.sh
 # Env: MOK_AB_BUILDS  builds, ';'-separated "label|ENV=VAL ENV=VAL" (default: the default build against
-#                     MOK_FP8_SRC_QUANT=1, and against it with MOK_FP8_SCALE_KMAJOR=1 too)
+#                     the FP8 forward before the eighteenth session: MOK_FP8_SRC_QUANT=0 MOK_FP8_SCALE_KMAJOR=0)
 #      MOK_AB_REPS    processes per build (default 3)
 #      MOK_AB_ARGS    bench_fp8.py arguments (default: the Kimi-K2 slice at its shipped configs, 3 rounds)
 #      OUT            log directory (default ./gpu_logs)
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_env.sh
 . scripts/device_env.sh
-BUILDS="${MOK_AB_BUILDS:-base|;srcq|MOK_FP8_SRC_QUANT=1;srcq-kmaj|MOK_FP8_SRC_QUANT=1 MOK_FP8_SCALE_KMAJOR=1}"
+BUILDS="${MOK_AB_BUILDS:-base|;row-major|MOK_FP8_SRC_QUANT=0 MOK_FP8_SCALE_KMAJOR=0}"
 REPS="${MOK_AB_REPS:-3}"
 ARGS="${MOK_AB_ARGS:---shapes kimi --configs --comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 3 --no-graphs}"
 IFS=';' read -ra LIST <<<"$BUILDS"

@@ -50,20 +50,19 @@ def test_other_lines_are_ignored(line):
 
 def test_a_process_of_the_wrong_build_is_reported():
     mod = _load()
-    line = (
-        "library build: MOK_ABLATION=0 MOK_FP8_KLOOP=0 MOK_FP8_ORDERED=0 MOK_FP8_SRC_QUANT={} MOK_FP8_SCALE_KMAJOR=0\n"
-    )
-    assert mod.build_of(line.format(1)) == {
+    line = "library build: MOK_ABLATION=0 MOK_FP8_KLOOP=0 MOK_FP8_ORDERED=0 MOK_FP8_SRC_QUANT={0} MOK_FP8_SCALE_KMAJOR={0}\n"
+    assert mod.build_of(line.format(0)) == {
         "MOK_ABLATION": 0,
         "MOK_FP8_KLOOP": 0,
         "MOK_FP8_ORDERED": 0,
-        "MOK_FP8_SRC_QUANT": 1,
+        "MOK_FP8_SRC_QUANT": 0,
         "MOK_FP8_SCALE_KMAJOR": 0,
     }
     assert mod.build_of("SUMMARY kimi: bf16 8.967 ms") is None
-    srcq, base = line.format(1), line.format(0)
-    assert mod.build_warnings("srcq", "MOK_FP8_SRC_QUANT=1", [srcq, srcq]) == []
-    assert mod.build_warnings("base", "", [base]) == []  # the defaults
-    bad = mod.build_warnings("srcq", "MOK_FP8_SRC_QUANT=1", [srcq, base, "no build line"])
-    assert [w.split(":")[0] for w in bad] == ["WARNING srcq run 2", "WARNING srcq run 3"]
-    assert mod.build_warnings("base", "", [srcq])[0].startswith("WARNING base run 1")
+    new, old = line.format(1), line.format(0)  # the defaults (build.py) / the row-major FP8 forward
+    spec = "MOK_FP8_SRC_QUANT=0 MOK_FP8_SCALE_KMAJOR=0"
+    assert mod.build_warnings("old", spec, [old, old]) == []
+    assert mod.build_warnings("base", "", [new]) == []  # the defaults
+    bad = mod.build_warnings("old", spec, [old, new, "no build line"])
+    assert [w.split(":")[0] for w in bad] == ["WARNING old run 2", "WARNING old run 3"]
+    assert mod.build_warnings("base", "", [old])[0].startswith("WARNING base run 1")

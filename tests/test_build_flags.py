@@ -22,11 +22,11 @@ SWITCHES = [
         ["1", "3", "4", "two", "-2", "2.0"],
     ),
     ("MOK_FP8_ORDERED", build.fp8_ordered, 0, build.FP8_ORDERED_DEFAULT, (0, 1), ["2", "yes", "01", "-1"]),
-    ("MOK_FP8_SRC_QUANT", build.fp8_src_quant, 0, build.FP8_SRC_QUANT_DEFAULT, (0, 1), ["2", "on", "01", "-1"]),
+    ("MOK_FP8_SRC_QUANT", build.fp8_src_quant, 1, build.FP8_SRC_QUANT_DEFAULT, (0, 1), ["2", "on", "01", "-1"]),
     (
         "MOK_FP8_SCALE_KMAJOR",
         build.fp8_scale_kmajor,
-        0,
+        1,
         build.FP8_SCALE_KMAJOR_DEFAULT,
         (0, 1),
         ["2", "t", "1.0", "-1", "01"],

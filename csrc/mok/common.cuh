@@ -32,7 +32,7 @@ static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED mus
 // (peer_ep.py: PeerRegion fp8_sources), and peers pull them after its source-quantised signal (peer_sync.cuh):
 // in real EP that also halves the NVLink bytes of the dispatch, as DeepEP's FP8 dispatch does.
 #ifndef MOK_FP8_SRC_QUANT
-#define MOK_FP8_SRC_QUANT 0
+#define MOK_FP8_SRC_QUANT 1
 #endif
 static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUANT must be 0 or 1");
 // MOK_FP8_SCALE_KMAJOR 1: the FP8 forward's activation scales (ring_scale of the pulled rows, act_scale of the SwiGLU
@@ -43,7 +43,7 @@ static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUA
 // (written once, read by every n-tile of the row), the fc1 epilogue's 8 rows per warp in one. 0 (default):
 // [row][block]. Same scales, same arithmetic: same bits.
 #ifndef MOK_FP8_SCALE_KMAJOR
-#define MOK_FP8_SCALE_KMAJOR 0
+#define MOK_FP8_SCALE_KMAJOR 1
 #endif
 static_assert(MOK_FP8_SCALE_KMAJOR == 0 || MOK_FP8_SCALE_KMAJOR == 1, "MOK_FP8_SCALE_KMAJOR must be 0 or 1");
 
