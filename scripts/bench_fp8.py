@@ -531,11 +531,7 @@ def main() -> int:
     choices = build_choices()
     print("library build: " + " ".join(f"{k}={v}" for k, v in choices.items()), flush=True)
     # what the loaded library itself reports (a library loaded from elsewhere would differ from the above)
-    loaded = {
-        "MOK_FP8_ORDERED": int(mk.fp8_issue_order_built()),
-        "MOK_FP8_SRC_QUANT": int(mk.fp8_src_quant_built()),
-        "MOK_FP8_SCALE_KMAJOR": int(mk.fp8_scale_kmajor_built()),
-    }
+    loaded = mk.library_build()
     if any(choices[k] != v for k, v in loaded.items()):
         print(f"library build MISMATCH: the loaded library reports {loaded}", flush=True)
         return 1

@@ -27,7 +27,7 @@ static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED mus
 // MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once, at its source, into an e4m3 copy with its
 // 1 x 128 scales (pull_dispatch.cuh: quantize_sources) before the pulls, which then copy e4m3 rows (half the
 // bytes of the bf16 rows they read now, one quantisation per token instead of one per routed copy; the same
-// blocks of the same rows, so the same bits). 0 (default): the pull quantises every copy on its way into the
+// blocks of the same rows, so the same bits); the default. 0: the pull quantises every copy on its way into the
 // ring. Emulated launches keep the copies in the workspace; per-rank launches in each rank's symmetric region
 // (peer_ep.py: PeerRegion fp8_sources), and peers pull them after its source-quantised signal (peer_sync.cuh):
 // in real EP that also halves the NVLink bytes of the dispatch, as DeepEP's FP8 dispatch does.
@@ -40,7 +40,7 @@ static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUA
 // loads (per thread, rows r and r + 8 of its fragment, one K block ahead) then read 8 consecutive rows per warp
 // load: one L2 sector instead of eight, 16 sector reads per SM and K block instead of 128 (~8 % on top of the
 // 48 KB of operands the TMA brings). The writers pay instead: the pull's 56 scales of a row land in 56 sectors
-// (written once, read by every n-tile of the row), the fc1 epilogue's 8 rows per warp in one. 0 (default):
+// (written once, read by every n-tile of the row), the fc1 epilogue's 8 rows per warp in one; the default. 0:
 // [row][block]. Same scales, same arithmetic: same bits.
 #ifndef MOK_FP8_SCALE_KMAJOR
 #define MOK_FP8_SCALE_KMAJOR 1

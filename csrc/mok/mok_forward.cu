@@ -322,20 +322,17 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
   w.act = take((size_t)np * S * M * a->F * (a->fp8 ? 1 : 2));
   w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
-  {  // MOK_FP8_SRC_QUANT=1, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank
-     // launches: in the symmetric regions, a->xq / a->xs)
-    long long all_tokens = 0;
-    for (int r = 0; r < a->R; ++r) all_tokens += a->T[r];
-    const bool here = srcq && a->rank < 0;
-    w.xq = take(here ? (size_t)std::max<long long>(all_tokens, 1) * a->H : 0);
-    w.xs = take(here ? (size_t)std::max<long long>(all_tokens, 1) * (a->H / 128) * 4 : 0);
-  }
+  long long tokens = 0;
+  for (int r = 0; r < a->R; ++r) tokens += a->T[r];
+  // MOK_FP8_SRC_QUANT=1, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank launches:
+  // in the symmetric regions, a->xq / a->xs)
+  const bool src_copy_here = srcq && a->rank < 0;
+  w.xq = take(src_copy_here ? (size_t)std::max<long long>(tokens, 1) * a->H : 0);
+  w.xs = take(src_copy_here ? (size_t)std::max<long long>(tokens, 1) * (a->H / 128) * 4 : 0);
   w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
   w.expert_off = take((size_t)np * (a->L + 1) * 4);
-  long long tokens = 0;
-  for (int r = 0; r < a->R; ++r) tokens += a->T[r];
   const bool chunked = w.B > 1;  // token chunks' tables (none otherwise: the layout above is unchanged)
   w.seg_off = take(chunked ? (size_t)np * (nseg + 1) * 4 : 0);
   w.seg_lrow = take(chunked ? (size_t)np * nseg * 4 : 0);

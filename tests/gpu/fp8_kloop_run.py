@@ -57,12 +57,7 @@ def main(path: str) -> None:
         }
     for n, case in enumerate(RANK_CASES):
         out[f"rank{n}"] = rank_case(n, *case)
-    built = {
-        "ordered": kernel.fp8_issue_order_built(),
-        "src_quant": kernel.fp8_src_quant_built(),
-        "scale_kmajor": kernel.fp8_scale_kmajor_built(),
-    }
-    torch.save({"cases": out, "built": built, "fp8_sources_refusal": fp8_sources_refusal()}, path)
+    torch.save({"cases": out, "built": kernel.library_build(), "fp8_sources_refusal": fp8_sources_refusal()}, path)
 
 
 # Per-rank launches (the real-EP path: R launches on R streams sharing the GPU, meeting on signal pads):

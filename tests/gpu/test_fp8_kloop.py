@@ -48,7 +48,7 @@ def _run(kloop: int, path: Path, ordered: int = 1, src_quant: int = 0, kmajor: i
     assert res.returncode == 0, f"{what}: rc {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     got = torch.load(path)
     # the subprocess ran the library it was asked for (else the comparison below could not fail)
-    want = {"ordered": bool(ordered), "src_quant": bool(src_quant), "scale_kmajor": bool(kmajor)}
+    want = {"MOK_FP8_ORDERED": ordered, "MOK_FP8_SRC_QUANT": src_quant, "MOK_FP8_SCALE_KMAJOR": kmajor}
     assert got["built"] == want, (what, got["built"])
     # a build that pulls source-quantised rows refuses per-rank FP8 launches over regions without the copy
     refusal = got["fp8_sources_refusal"]
