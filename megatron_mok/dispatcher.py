@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .activation import PLAIN, Glu
 from .backend import select_backend
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
@@ -73,6 +74,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         if self.ep_size > 1:
             _check_topology_once(self.ep_group)
         self.fused = True
+        #: the SwiGLU variant of the fused path (set by the MoK layer from Megatron's config)
+        self.glu: Glu | None = PLAIN
         self._transport: Transport | None = None
         self.cudagraph_attrs = ["topk_idx"]
         # per-call state
@@ -102,6 +105,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             save_fc1_output=k.save_fc1_output,
             save_expert_input=k.save_expert_input,
             fuse_wgrad_into_main_grad=bool(getattr(self.config, "gradient_accumulation_fusion", False)),
+            glu=self.glu if self.glu is not None else PLAIN,
         )
 
     # ---- MoETokenDispatcher interface ---------------------------------------------------------

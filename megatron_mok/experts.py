@@ -10,26 +10,26 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from .activation import Glu, expert_glu
 
 
-def fused_unsupported_reason(config: Any, experts: torch.nn.Module) -> str | None:
-    """Why the fused MoK path cannot run these experts (None: it can)."""
-    if not getattr(config, "gated_linear_unit", False) or getattr(config, "activation_func", None) is not F.silu:
-        return "the MoK expert FFN is SwiGLU: set gated_linear_unit=True with activation_func=silu (--swiglu)"
+def fused_expert_activation(config: Any, experts: torch.nn.Module) -> Glu | str:
+    """The SwiGLU variant the fused MoK path computes for these experts, or why it cannot run them."""
     if getattr(config, "add_bias_linear", False):
         return "the MoK expert FFN has no biases: set add_bias_linear=False (--disable-bias-linear)"
-    if getattr(config, "moe_apply_probs_on_input", False):
-        return "moe_apply_probs_on_input is not supported by the fused MoK path"
     if getattr(config, "fp8", None) or getattr(config, "fp4", None):
         return "Megatron fp8/fp4 recipes are not used by MoK; select the MoK fp8 path with kernel.dtype: fp8"
     if getattr(config, "moe_latent_size", None):
         return "latent MoE projections are not supported by the fused MoK path"
+    glu = expert_glu(config, experts)
+    if isinstance(glu, str):
+        return glu
     try:
         expert_weights(experts)
     except TypeError as exc:
         return str(exc)
-    return None
+    return glu
 
 
 def expert_weights(experts: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .activation import PLAIN, Glu, swiglu, swiglu_backward
+
 BLOCK = 128
 E4M3_MAX = 448.0
 _TINY = 1e-12  # all-zero blocks get a tiny scale instead of a division by zero
@@ -80,30 +82,19 @@ def fp8_linear(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.T
     return y
 
 
-def fp8_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def fp8_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, glu: Glu = PLAIN) -> torch.Tensor:
     """One expert's fc1 -> SwiGLU -> fc2 with the FP8 recipe; x [T, H], w1 [2F, H], w2 [H, F]; bf16 out."""
-    F = w2.shape[1]
     xq, xs = quantize_act_1x128(x)
     w1q, w1s = quantize_weight_128x128(w1)
     h = fp8_linear(xq, xs, w1q, w1s)
-    act = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    act = swiglu(h, glu)
     aq, as_ = quantize_act_1x128(act)  # fused into the SwiGLU epilogue in the kernel
     w2q, w2s = quantize_weight_128x128(w2)
     return fp8_linear(aq, as_, w2q, w2s).to(torch.bfloat16)
 
 
-def swiglu_backward(h: torch.Tensor, d_act: torch.Tensor) -> torch.Tensor:
-    """dH [T, 2F] of act = silu(g) * u for h = [g | u] [T, 2F], from d_act [T, F] (fp32)."""
-    F = h.shape[1] // 2
-    g, u = h[:, :F].float(), h[:, F:].float()
-    sg = torch.sigmoid(g)
-    d_gate = d_act * u * sg * (1.0 + g * (1.0 - sg))
-    d_up = d_act * g * sg
-    return torch.cat([d_gate, d_up], dim=1)
-
-
 def fp8_expert_ffn_backward(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor, glu: Glu = PLAIN
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx [T, H], dw1 [2F, H], dw2 [H, F], fp32) of ``fp8_expert_ffn`` for the output
     gradient gy [T, H], with the FP8 recipe the backward kernel is to follow (scripts/NOTES-fp8.md):
@@ -114,15 +105,14 @@ def fp8_expert_ffn_backward(
     * the SwiGLU backward in fp32 from the forward's fc1 output h;
     * wgrad (token dimension as K) from bf16 operands in fp32: dW2 = gy^T act, dW1 = dH^T x.
     """
-    F = w2.shape[1]
     xq, xs = quantize_act_1x128(x)
     w1q, w1s = quantize_weight_128x128(w1)
     w2q, w2s = quantize_weight_128x128(w2)
     h = fp8_linear(xq, xs, w1q, w1s)  # forward fc1, as fp8_expert_ffn
-    act = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+    act = swiglu(h, glu)
     gyq, gys = quantize_act_1x128(gy)
     d_act = fp8_linear(gyq, gys, w2q.t().contiguous(), w2s.t().contiguous())  # [T, F] = gy @ W2
-    dh = swiglu_backward(h, d_act)
+    dh = swiglu_backward(h, d_act, glu)
     dhq, dhs = quantize_act_1x128(dh)
     dx = fp8_linear(dhq, dhs, w1q.t().contiguous(), w1s.t().contiguous())  # [T, H] = dH @ W1
     bf = torch.bfloat16

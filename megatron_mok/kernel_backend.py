@@ -166,6 +166,7 @@ class KernelBackend:
             saved_h=saved_h,
             fp8=self._fp8_weights(w1, w2),
             keep=keep,
+            glu=plan.glu,
         )
         state = {
             "x": x.detach(),
@@ -210,6 +211,7 @@ class KernelBackend:
             check=self.check,
             fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
             kept=state.get("kernel_kept"),
+            glu=plan.glu,
         )
         self.last_backward = "kernel (EP > 1, per-rank launch" + (", fp8 dgrad)" if f8 is not None else ")")
         return gx, gw, gw1, gw2
@@ -265,6 +267,7 @@ class KernelBackend:
             saved_h=saved_h,
             fp8=self._fp8_weights(w1, w2),
             keep=keep,
+            glu=plan.glu,
         )
         # Nothing here reads device values on the host (errors are checked lazily): the layout the
         # interim backward needs is

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
-import torch.nn.functional as F
 
+from .activation import PLAIN, Glu, swiglu, swiglu_backward
 from .layout import (
     FORWARD_TILE_ROWS,
     ExpertLayout,
@@ -104,6 +104,8 @@ class MokPlan:
     save_expert_input: bool = True
     #: Megatron's gradient_accumulation_fusion: add expert wgrads straight into ``param.main_grad``
     fuse_wgrad_into_main_grad: bool = False
+    #: the SwiGLU variant (Megatron's glu_linear_offset / activation_func_clamp_value)
+    glu: Glu = PLAIN
     # filled by forward, for tests and introspection
     layout: ExpertLayout | None = None
     stats: dict[str, int] = field(default_factory=dict)
@@ -111,20 +113,6 @@ class MokPlan:
     @property
     def num_local_experts(self) -> int:
         return self.num_experts // self.transport.world_size
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """Megatron's gated SiLU: first half gate (activated), second half up."""
-    g, u = torch.chunk(h, 2, dim=-1)
-    return F.silu(g) * u
-
-
-def swiglu_backward(h: torch.Tensor, grad_a: torch.Tensor) -> torch.Tensor:
-    g, u = torch.chunk(h, 2, dim=-1)
-    sig = torch.sigmoid(g)
-    silu = g * sig
-    dsilu = sig * (1 + g * (1 - sig))
-    return torch.cat([grad_a * u * dsilu, grad_a * silu], dim=-1)
 
 
 def _validate(
@@ -256,7 +244,7 @@ def mok_forward(
             for e, a, b in layout.segments(lo, hi):
                 xe = rows[a - lo : b - lo]
                 h = xe.to(acc) @ w1[e].detach().to(acc).t()
-                act = swiglu(h).to(dtype)
+                act = swiglu(h, plan.glu).to(dtype)
                 y[a - lo : b - lo] = (act.to(acc) @ w2[e].detach().to(acc).t()).to(dtype)
                 if saved_h is not None:
                     saved_h[a:b] = h
@@ -319,11 +307,11 @@ def mok_backward(
         for e, a, b in layout.segments(lo, hi):
             xe = state["saved_x"][a:b].to(acc)
             h = state["saved_h"][a:b] if state["saved_h"] is not None else xe @ w1[e].detach().to(acc).t()
-            act = swiglu(h).to(dtype).to(acc)
+            act = swiglu(h, plan.glu).to(dtype).to(acc)
             g = gy[a - lo : b - lo]
             grad_w2[e] += g.t() @ act
             da = g @ w2[e].detach().to(acc)
-            dh = swiglu_backward(h, da)
+            dh = swiglu_backward(h, da, plan.glu)
             grad_w1[e] += dh.t() @ xe
             dx[a - lo : b - lo] = dh @ w1[e].detach().to(acc)
         ring.computed(slot)
@@ -425,6 +413,7 @@ def dense_moe_reference(
     topk_w: torch.Tensor,
     w1_all: Sequence[torch.Tensor],
     w2_all: Sequence[torch.Tensor],
+    glu: Glu = PLAIN,
 ) -> torch.Tensor:
     """Token-by-token definition with all experts' weights at hand (no EP): the plain math."""
     acc = _acc_dtype(x.dtype)
@@ -435,7 +424,7 @@ def dense_moe_reference(
                 continue
             sel = topk_idx[:, k] == e
             h = x[sel].to(acc) @ w1_all[e].to(acc).t()
-            y = (swiglu(h).to(x.dtype).to(acc) @ w2_all[e].to(acc).t()).to(x.dtype)
+            y = (swiglu(h, glu).to(x.dtype).to(acc) @ w2_all[e].to(acc).t()).to(x.dtype)
             out[sel] += topk_w[sel, k].to(acc).unsqueeze(1) * y.to(acc)
     return out.to(x.dtype)
 

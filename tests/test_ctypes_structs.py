@@ -14,7 +14,7 @@ from megatron_mok.kernel import backward, emulated, fp8_gemm
 CSRC = Path(__file__).resolve().parents[1] / "csrc" / "mok"
 
 # C scalar types of the launch structs and their sizes (LP64: pointers 8 bytes)
-_C_SIZES = {"int": 4, "unsigned": 4, "double": 8, "long long": 8, "unsigned long long": 8}
+_C_SIZES = {"int": 4, "unsigned": 4, "float": 4, "double": 8, "long long": 8, "unsigned long long": 8}
 
 
 def c_struct_fields(source: str, name: str) -> list[tuple[str, int]]:
@@ -25,7 +25,7 @@ def c_struct_fields(source: str, name: str) -> list[tuple[str, int]]:
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
         decl = " ".join(decl.split())
-        tm = re.match(r"((?:const )?(?:unsigned long long|long long|unsigned|int|double))\b(.*)", decl)
+        tm = re.match(r"((?:const )?(?:unsigned long long|long long|unsigned|int|float|double))\b(.*)", decl)
         assert tm is not None, f"struct {name}: unexpected declaration {decl!r}"
         ctype = tm.group(1).removeprefix("const ")
         for d in tm.group(2).split(","):

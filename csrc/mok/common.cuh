@@ -209,6 +209,10 @@ struct Params {
   // pointers). Null otherwise.
   uint8_t* const* xq;                 // [R] -> [T_r][H]
   float* const* xs;                   // [R] -> [T_r][H / 128]
+  // The SwiGLU variant (swiglu.cuh; forward: kFeatGlu instances, backward: kGlu instances only):
+  int glu;                            // 1: the SwiGLU variant of swiglu.cuh (clamp and / or offset); 0: plain SwiGLU
+  float glu_clamp, glu_offset;        // its clamp (+inf: none) and offset (Megatron's activation_func_clamp_value,
+                                      // glu_linear_offset)
 };
 
 // Float index of (slot row r, K block kb) in the FP8 forward's activation-scale buffers (ring_scale: nk = H / 128,
@@ -239,7 +243,8 @@ enum FwdFeature : int {
   kFeatChunks = 1,    // token chunks (MOK_MACROBATCHES > 1: segments, early chunk sums)
   kFeatCluster = 2,   // 2-CTA clusters (MOK_CLUSTER=2: paired producers, pass tiles, half-box w2 maps)
   kFeatFastSilu = 4,  // the FP8 fc1 epilogue's tanh.approx SiLU (MOK_FP8_FAST_SILU=1)
-  kFeatAll = 7,
+  kFeatGlu = 8,       // the SwiGLU variant (clamp / offset, swiglu.cuh) in the fc1 epilogue
+  kFeatAll = 15,
 };
 template <int kFeat>
 __host__ __device__ __forceinline__ bool feat_chunks(const Params& P) {
@@ -252,6 +257,10 @@ __host__ __device__ __forceinline__ bool feat_cluster(const Params& P) {
 template <int kFeat>
 __host__ __device__ __forceinline__ bool feat_fast_silu(const Params& P) {
   return (kFeat & kFeatFastSilu) && P.fp8_fast_silu;
+}
+template <int kFeat>
+__host__ __device__ __forceinline__ bool feat_glu(const Params& P) {
+  return (kFeat & kFeatGlu) && P.glu;
 }
 
 // Partition of rank q inside this launch (workspace index); in_launch: q runs in this launch.

@@ -31,6 +31,7 @@
 #include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
 #include "ring_buffer.cuh"
+#include "swiglu.cuh"
 #include "timeline.cuh"
 #include "timeout.cuh"
 
@@ -517,8 +518,12 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       auto swiglu_row = [&](int h, auto silu) {  // in place over the gate values (saved h was stored above)
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          acc[4 * j + 2 * h] = silu(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
-          acc[4 * j + 2 * h + 1] = silu(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
+#pragma unroll
+          for (int p = 0; p < 2; ++p) {
+            float g = acc[4 * j + 2 * h + p], u = acc[4 * (j + 16) + 2 * h + p];
+            if (feat_glu<kFeat>(P)) glu_inputs(P, g, u);
+            acc[4 * j + 2 * h + p] = silu(g) * u;
+          }
         }
       };
 #pragma unroll
@@ -542,9 +547,14 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 #pragma unroll
           for (int jj = 0; jj < 4; ++jj) {
             const int j = j0 + jj;
-            const float a0 = silu_f(acc[4 * j + 2 * h]) * acc[4 * (j + 16) + 2 * h];
-            const float a1 = silu_f(acc[4 * j + 2 * h + 1]) * acc[4 * (j + 16) + 2 * h + 1];
-            wv[jj] = pack_bf16x2(a0, a1);
+            float a[2];
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+              float g = acc[4 * j + 2 * h + p], u = acc[4 * (j + 16) + 2 * h + p];
+              if (feat_glu<kFeat>(P)) glu_inputs(P, g, u);
+              a[p] = silu_f(g) * u;
+            }
+            wv[jj] = pack_bf16x2(a[0], a[1]);
           }
           const uint4 v = quad_transpose(wv[0], wv[1], wv[2], wv[3], lane);
           const int c = ti.nt * kFc1ActCols + 8 * (j0 + (lane & 3));

@@ -74,6 +74,15 @@ inline bool fp8_issue_order_knob(int* out, bool fp8, char* eb, int el) {
   return true;
 }
 
+// The SwiGLU variant of a launch (swiglu.cuh): glu 0 (plain) or 1 with a clamp > 0 (+inf: none) and a finite
+// offset. Copied into Params by the forward and backward launchers alike.
+inline bool glu_args_ok(int glu, float clamp, float offset, char* eb, int el) {
+  if (glu != 0 && glu != 1) return !write_err(eb, el, "glu must be 0 (plain SwiGLU) or 1 (clamp / offset), got %d", glu);
+  if (glu && !(clamp > 0.0f)) return !write_err(eb, el, "glu_clamp must be > 0 (+inf: no clamp), got %g", clamp);
+  if (glu && !(offset - offset == 0.0f)) return !write_err(eb, el, "glu_offset must be finite, got %g", offset);
+  return true;
+}
+
 typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);

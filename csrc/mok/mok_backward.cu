@@ -37,7 +37,8 @@ __device__ __forceinline__ bool bwd_wait_all_computed(const BwdParams& P, int q,
 }
 
 // kFp8: FP8 dgrad (bwd_gemm.cuh; launched only with saved h).
-template <bool kFp8>
+// kGlu: the SwiGLU variant (clamp / offset, swiglu.cuh) compiled in; the plain instances carry none of it.
+template <bool kFp8, bool kGlu>
 __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_constant__ BwdParams P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_flag;
@@ -68,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
   const int n_comp = B.ctas_per_rank - B.comm_sms;
   const unsigned all_compute = (unsigned)(B.nparts * n_comp);
   if (local < B.comm_sms) {
-    if (!bwd_comm_role<kFp8>(P, q, local, &s_flag)) return;
+    if (!bwd_comm_role<kFp8, kGlu>(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0) s_flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     __syncthreads();
     if (!s_flag || P.defer_home) return;  // deferred: the wgrad kernel sums grad_x (home_reduce.cuh)
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     }
   } else {
     bwd_compute_pulls_first_minibatch<kFp8>(P, q, local);
-    if (!bwd_compute_role<kFp8>(P, q, smem)) return;  // producer warpgroup leaves here
+    if (!bwd_compute_role<kFp8, kGlu>(P, q, smem)) return;  // producer warpgroup leaves here
     int* flag = reinterpret_cast<int*>(smem);
     if (threadIdx.x == 128) *flag = bwd_wait_all_computed(P, q, all_compute) ? 1 : 0;
     named_bar_sync(1, 256);
@@ -167,6 +168,10 @@ struct MokBwdArgs {
   // rows (keep_act), not recomputed from h.
   int x_kept;
   int act_kept;
+  // The SwiGLU variant of the forward (MokLaunchArgs.glu / glu_clamp / glu_offset, swiglu.cuh).
+  int glu;
+  float glu_clamp;
+  float glu_offset;
 };
 
 }  // extern "C"
@@ -281,6 +286,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   if (a->act_kept && !a->saved_h)
     return write_err(errbuf, errlen, "act_kept needs saved_h (the recompute path writes act in its stage-1 epilogue)");
+  if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, errbuf, errlen)) return 1;
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0, max_blocks = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
@@ -293,9 +299,12 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", np,
                      num_sms, cpr, a->comm_sms);
   const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
-  const int variant = a->fp8 ? 1 : 0;
-  void (*kernel)(mok::bwd::BwdParams) = variant ? mok::bwd::mok_backward_kernel<true> : mok::bwd::mok_backward_kernel<false>;
-  static int cached_smem[2][64] = {{0}}, cached_blocks[2][64] = {{0}};
+  const int variant = (a->fp8 ? 1 : 0) + (a->glu ? 2 : 0);
+  using KernelFn = void (*)(mok::bwd::BwdParams);
+  static const KernelFn kernels[4] = {mok::bwd::mok_backward_kernel<false, false>, mok::bwd::mok_backward_kernel<true, false>,
+                                      mok::bwd::mok_backward_kernel<false, true>, mok::bwd::mok_backward_kernel<true, true>};
+  const KernelFn kernel = kernels[variant];
+  static int cached_smem[4][64] = {{0}}, cached_blocks[4][64] = {{0}};
   const int dslot = a->device & 63;
   if (cached_smem[variant][dslot] != smem) {
     MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -421,6 +430,9 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   B.num_chunks = ws.num_chunks; B.total_entries = ws.total_entries;
   B.stall_rank = a->stall_rank; B.stall_slot = a->stall_slot;
   B.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  B.glu = a->glu;
+  B.glu_clamp = a->glu_clamp;
+  B.glu_offset = a->glu_offset;
   B.layout_cap = a->cap;
   B.owner_rows = a->cap;
   B.ranks = reinterpret_cast<const mok::RankTable*>(wsp + ws.ranks);

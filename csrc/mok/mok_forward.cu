@@ -198,6 +198,11 @@ struct MokLaunchArgs {
   // in the workspace and ignore these.
   const unsigned long long* xq;
   const unsigned long long* xs;
+  // The SwiGLU variant (swiglu.cuh; Megatron's activation_func_clamp_value / glu_linear_offset): glu = 1 with
+  // glu_clamp > 0 (+inf: none) and a finite glu_offset; 0 = the plain SwiGLU (the lean kernel instance).
+  int glu;
+  float glu_clamp;
+  float glu_offset;
 };
 
 }  // extern "C"
@@ -237,6 +242,7 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
   if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
   if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
+  if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, eb, el)) return false;
   if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS)
     return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
   if (a->minibatch < 1 || a->minibatch > (1 << 20))
@@ -422,7 +428,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   int fast_silu = 0;
   if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &fast_silu))  // expert_ffn.cuh: silu_tanh_f
     return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
-  const bool featured = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu);
+  const bool featured = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu) || a->glu;
   const int v = (a->fp8 ? 1 : 0) + (featured ? 2 : 0);
   using KernelFn = void (*)(const mok::Params);
   static const KernelFn kernels[4] = {mok::mok_forward_kernel<false, 0>, mok::mok_forward_kernel<true, 0>,
@@ -610,6 +616,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;
     P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }
+  P.glu = a->glu;  // validated; picks the featured instance
+  P.glu_clamp = a->glu_clamp;
+  P.glu_offset = a->glu_offset;
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
   P.nt2 = (H + mok::kBN - 1) / mok::kBN;
   P.num_chunks = ws.num_chunks; P.total_entries = ws.total_entries;

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
+from ..activation import Glu
 from . import build as _build
 from .availability import KernelAvailability
-from .cargs import LaunchArrays
+from .cargs import LaunchArrays, bind_glu
 from .emulated import _lazy_checker, capture_check, dense_weights_ok, launch_workspace, refuse_capture
 from .errors import MokKernelError, format_error, raise_recorded_error
 
@@ -165,6 +166,10 @@ class _Args(ctypes.Structure):
         # 1: xl / act are the forward's kept rows (KeptRows): pull grad_out only, no act rows from h
         ("x_kept", ctypes.c_int),
         ("act_kept", ctypes.c_int),
+        # the SwiGLU variant (clamp / offset; cargs.bind_glu)
+        ("glu", ctypes.c_int),
+        ("glu_clamp", ctypes.c_float),
+        ("glu_offset", ctypes.c_float),
     ]
 
 
@@ -556,6 +561,7 @@ def mok_backward_emulated(
     timeline=None,
     fp8=None,
     kept=None,
+    glu: Glu | None = None,
 ):
     """MoE layer backward over R emulated EP ranks (one kernel launch + the wgrad GEMMs).
 
@@ -569,6 +575,7 @@ def mok_backward_emulated(
     fp8: a ``kernel.fp8_weights.Fp8ExpertWeights`` of w1 / w2 with its transposes (``with_transposes()``)
     selects the FP8 dgrad (kernel.dtype fp8): needs saved_h and hidden / ffn sizes multiples of 128; the
     wgrad stays bf16 x bf16 -> fp32.
+    glu: the forward's SwiGLU variant (clamp / offset, ``megatron_mok.activation.Glu``); None: plain.
     kept: the ``KeptRows`` of the matching ``mok_forward_emulated(..., keep=...)``: xl (and with saved_h
     act) are read there (layout order, whatever the two minibatches), so the comm SMs pull only grad_out.
     """
@@ -673,6 +680,7 @@ def mok_backward_emulated(
 
     ptrs = lambda ts: arr([t.data_ptr() for t in ts])  # noqa: E731
     args = _Args()
+    bind_glu(args, glu)  # the forward's SwiGLU variant
     args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
     args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
     args.ctas_per_rank = cpr
@@ -799,6 +807,7 @@ def mok_backward_rank(
     timeline=None,
     return_buffers: bool = False,
     fp8=None,
+    glu: Glu | None = None,
 ):
     """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.peer_ep.PeerBuffers`):
     one launch of the same backward kernel as :func:`mok_backward_emulated`, with one partition, meeting
@@ -901,6 +910,7 @@ def mok_backward_rank(
         return arr([ptr if r == rank else 0 for r in range(R)])
 
     args = _Args()
+    bind_glu(args, glu)  # the forward's SwiGLU variant
     args.R, args.L, args.H, args.F, args.K = R, L, H, F, K
     args.comm_sms, args.ring_slots, args.minibatch = comm_sms, ring_slots, minibatch_tokens
     args.ctas_per_rank = ctas

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import array
+import math
+
+from ..activation import Glu
 
 
 class LaunchArrays:
@@ -28,3 +31,14 @@ class LaunchArrays:
     def i64(self, vals) -> int:
         """signed 64-bit values (row strides, token counts)"""
         return self._array("q", vals)
+
+
+def bind_glu(args, glu: Glu | None) -> None:
+    """Set a forward or backward argument struct's SwiGLU variant (csrc/mok/swiglu.cuh) from ``glu``
+    (None or the plain SwiGLU: glu 0, the kernels' plain code)."""
+    if glu is None or glu.plain:
+        args.glu, args.glu_clamp, args.glu_offset = 0, math.inf, 0.0
+        return
+    args.glu = 1
+    args.glu_clamp = math.inf if glu.clamp is None else float(glu.clamp)
+    args.glu_offset = float(glu.offset)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ..activation import Glu
 from . import weight_memo
-from .cargs import LaunchArrays
+from .cargs import LaunchArrays, bind_glu
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 MOK_MAX_RANKS = 72
@@ -90,6 +91,10 @@ class _Args(ctypes.Structure):
         # FP8 per-rank launch of a MOK_FP8_SRC_QUANT=1 build: every rank's source-quantised copy (peer_ep.py)
         ("xq", ctypes.c_void_p),
         ("xs", ctypes.c_void_p),
+        # the SwiGLU variant (clamp / offset; cargs.bind_glu)
+        ("glu", ctypes.c_int),
+        ("glu_clamp", ctypes.c_float),
+        ("glu_offset", ctypes.c_float),
     ]
 
 
@@ -467,6 +472,7 @@ def mok_forward_emulated(
     fp8=None,
     keep: KeptRows | None = None,
     gpu_events=None,
+    glu: Glu | None = None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
 
@@ -477,6 +483,7 @@ def mok_forward_emulated(
     epilogue, fp32 accumulation, bf16 outputs); w1 / w2 then only give the shapes.
     keep: optional ``KeptRows`` (R parts, rows >= sum_r T_r * K): the launch keeps the expert input and
     SwiGLU output rows there, for ``mok_backward_emulated(..., kept=keep)`` (bf16 only).
+    glu: the SwiGLU variant (clamp / offset, ``megatron_mok.activation.Glu``); None: plain SwiGLU.
     gpu_events: optional ``(start, end)`` pair of ``torch.cuda.Event``: recorded on the launch stream just
     before and after the library enqueues its work (metadata upload, zeroing, kernel), so their elapsed
     time is the layer's device time without this call's host preparation (which a CUDA-event pair around
@@ -524,6 +531,7 @@ def mok_forward_emulated(
     args.combine = arr([t.data_ptr() for t in comb])
     args.tpe = arr([t.data_ptr() for t in tpe])
     set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device, dense)
+    bind_glu(args, glu)
 
     if keep is not None:
         keep.bind(args, R, H, F, minibatch_tokens, device, _fail, fp8)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cargs import LaunchArrays
+from ..activation import Glu
+from .cargs import LaunchArrays, bind_glu
 from .emulated import (
     MOK_MAX_RANKS,
     _Args,
@@ -262,6 +263,7 @@ def mok_forward_rank(
     saved_h: torch.Tensor | None = None,
     fp8=None,
     keep=None,
+    glu: Glu | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE forward of rank ``bufs.rank`` (one kernel launch; every rank must make the matching call).
 
@@ -332,6 +334,7 @@ def mok_forward_rank(
     args.combine = arr([bufs.peer(r, reg.combine_off) for r in range(R)])
     args.tpe = arr(own_only(tpe.data_ptr()))
     set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device, dense=dense)
+    bind_glu(args, glu)  # the SwiGLU variant (clamp / offset); None: plain
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if fp8 is not None and fp8_src_quant_built():  # this rank quantises its tokens once, peers pull them
         if not reg.fp8_sources:

@@ -19,6 +19,7 @@
 #include "bwd_common.cuh"
 #include "home_reduce.cuh"
 #include "../fp8_quant.cuh"
+#include "../swiglu.cuh"
 
 namespace mok {
 namespace bwd {
@@ -127,8 +128,9 @@ __device__ void bwd_router_grad(const BwdParams& P, int q, long long lo, long lo
   for (long long e = lo + worker; e < hi; e += nworkers) router_grad_entry(h, e, P.base.K, P.base.H, threadIdx.x & 31);
 }
 
-// act[row] = bf16(silu(g) * u) from the forward's h = [g | u] for owner q's layout rows [a, b): the same
+// act[row] = bf16(silu(g) * u) (or its clamp / offset variant) from the forward's h = [g | u] for owner q's layout rows [a, b): the same
 // rounding as the recompute path's epilogue (fp32 math on the bf16 h). Loads of a row are issued together.
+template <bool kGlu>
 __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker, int nworkers) {
   const int lane = threadIdx.x & 31;
   const int F = P.base.F;
@@ -160,7 +162,14 @@ __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             const float2 g = __bfloat1622float2(g2[k]), x = __bfloat1622float2(u2[k]);
-            o[k] = pack2(g.x * sigmoid_fast(g.x) * x.x, g.y * sigmoid_fast(g.y) * x.y);  // as the recompute path
+            if constexpr (kGlu) {  // clamp / offset (swiglu.cuh), as the recompute path
+              float c1, c2, a0, a1;
+              glu_terms(P.base, g.x, x.x, [](float v) { return sigmoid_fast(v); }, c1, c2, a0);
+              glu_terms(P.base, g.y, x.y, [](float v) { return sigmoid_fast(v); }, c1, c2, a1);
+              o[k] = pack2(a0, a1);
+            } else {
+              o[k] = pack2(g.x * sigmoid_fast(g.x) * x.x, g.y * sigmoid_fast(g.y) * x.y);  // as the recompute path
+            }
           }
           o4[v] = make_uint4(o[0], o[1], o[2], o[3]);
         }
@@ -171,7 +180,7 @@ __device__ void bwd_act_rows(const BwdParams& P, int q, int a, int b, int worker
 
 // Comm CTA c of owner rank q: pulls, then after each minibatch one share of the background work.
 // Returns false if the kernel is aborting.
-template <bool kFp8>
+template <bool kFp8, bool kGlu>
 __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
   const Params& B = P.base;
   const int L = B.L, M = B.minibatch, S = B.ring_slots, K = B.K;
@@ -209,7 +218,7 @@ __device__ bool bwd_comm_role(const BwdParams& P, int q, int c, int* s_flag) {
     // background share i
     if (B.timeline != nullptr) t0 = globaltimer_ns();
     if (!P.defer_home) bwd_router_grad(P, q, n_rg * i / nmb, n_rg * (i + 1) / nmb, gw, stride);
-    if (act_here) bwd_act_rows(P, q, a, b, gw, stride);
+    if (act_here) bwd_act_rows<kGlu>(P, q, a, b, gw, stride);
     if (B.timeline != nullptr) {
       __syncthreads();
       if (threadIdx.x == 0) timeline_record(B, kTlBwdBackground, (unsigned)i, t0, globaltimer_ns());

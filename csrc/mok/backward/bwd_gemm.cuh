@@ -31,6 +31,7 @@
 #include "../deferred_release.cuh"
 #include "../fp8_kloop.cuh"
 #include "../fp8_quant.cuh"
+#include "../swiglu.cuh"
 
 namespace mok {
 namespace bwd {
@@ -242,6 +243,7 @@ __device__ __forceinline__ int sw128_offset(int r, int c) { return r * 128 + (((
 
 // ------------------------------------------------------------------------------------------------
 // Recompute variant (no saved h): stage 1 = loop G (fc1 recompute) + loop D (dA, n128), see above.
+template <bool kGlu>
 __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
@@ -341,11 +343,15 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
             for (int p = 0; p < 2; ++p) {
               const float g = acc[4 * j + 2 * h + p];
               const float u = acc[4 * (j + 16) + 2 * h + p];
-              const float sig = sigmoid_fast(g);
-              const float silu = g * sig;
-              v1[p] = u * (sig * (1.0f + g * (1.0f - sig)));
-              v2[p] = silu;
-              av[p] = silu * u;
+              if constexpr (kGlu) {  // clamp / offset (swiglu.cuh)
+                glu_terms(B, g, u, [](float x) { return sigmoid_fast(x); }, v1[p], v2[p], av[p]);
+              } else {
+                const float sig = sigmoid_fast(g);
+                const float silu = g * sig;
+                v1[p] = u * (sig * (1.0f + g * (1.0f - sig)));
+                v2[p] = silu;
+                av[p] = silu * u;
+              }
             }
             const int cf = ti.nt * 128 + 8 * j + 2 * (lane & 3);
             if (r < ti.rows && cf < F) {
@@ -442,7 +448,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
 // written back over g / u in the same smem words and TMA-stored per warpgroup (no per-thread global
 // stores; the epilogue went from 35 to 23 us per tile on the H200). act is written by the comm SMs
 // (bwd_act_rows). Both GEMM loops read B (W2, W1) MN-major, as stored.
-template <bool kFp8>
+template <bool kFp8, bool kGlu>
 __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
   const int lt = threadIdx.x & 127;
@@ -545,10 +551,19 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
             const uint32_t uv = *reinterpret_cast<const uint32_t*>(usm + off);
             const float2 g = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv));
             const float2 u = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&uv));
-            const float sx = sigmoid_fast(g.x), sy = sigmoid_fast(g.y);
             // c1 / c2 rounded to bf16 as in the recompute path (parked there)
-            const uint32_t p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
-            const uint32_t p2 = pack2(g.x * sx, g.y * sy);
+            uint32_t p1, p2;
+            if constexpr (kGlu) {  // clamp / offset (swiglu.cuh)
+              float c1[2], c2[2], a[2];
+              glu_terms(B, g.x, u.x, [](float x) { return sigmoid_fast(x); }, c1[0], c2[0], a[0]);
+              glu_terms(B, g.y, u.y, [](float x) { return sigmoid_fast(x); }, c1[1], c2[1], a[1]);
+              p1 = pack2(c1[0], c1[1]);
+              p2 = pack2(c2[0], c2[1]);
+            } else {
+              const float sx = sigmoid_fast(g.x), sy = sigmoid_fast(g.y);
+              p1 = pack2(u.x * (sx * (1.0f + g.x * (1.0f - sx))), u.y * (sy * (1.0f + g.y * (1.0f - sy))));
+              p2 = pack2(g.x * sx, g.y * sy);
+            }
             const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p1));
             const float2 f2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p2));
             const int J = 16 * hf + j;
@@ -642,7 +657,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
 }
 
 // Returns true for the consumer threads (they go on to the grad_x reduce).
-template <bool kFp8>
+template <bool kFp8, bool kGlu>
 __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
   const BSmem sm = bwd_carve(smem);
   if (threadIdx.x == 0) {
@@ -667,11 +682,11 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
   } else {
     setmaxnreg_inc<224>();
     if constexpr (kFp8)  // the host launches the FP8 variant only with saved h
-      bwd_consumer_saved<true>(P, q, sm, wg - 1);
+      bwd_consumer_saved<true, kGlu>(P, q, sm, wg - 1);
     else if (P.br[q].saved_h != nullptr)
-      bwd_consumer_saved<false>(P, q, sm, wg - 1);
+      bwd_consumer_saved<false, kGlu>(P, q, sm, wg - 1);
     else
-      bwd_consumer(P, q, sm, wg - 1);
+      bwd_consumer<kGlu>(P, q, sm, wg - 1);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       __threadfence();
