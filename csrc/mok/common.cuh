@@ -235,10 +235,11 @@ __host__ __device__ __forceinline__ int fp8_issue_order(const Params& P) {
 }
 
 // Optional forward features, compiled into an instance of the forward kernel (its template argument kFeat):
-// the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, and the one with all of
-// them (kFeatAll) otherwise. Each compiled-in feature's run-time tests and code sat in every launch's hot
-// paths: the FP8 forward with all of them compiled in and none used ran ~5 % slower than without them
-// (Kimi-K2 slice, side by side on an H100, scripts/NOTES-kernel.md fourteenth session).
+// the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, the SwiGLU-variant
+// instance (kFeatGlu) when that is the only one, and the one with all of them (kFeatAll) otherwise. Each
+// compiled-in feature's run-time tests and code sat in every launch's hot paths: the FP8 forward with all of
+// them compiled in and none used ran ~5 % slower than without them (Kimi-K2 slice, side by side on an H100,
+// scripts/NOTES-kernel.md fourteenth session).
 enum FwdFeature : int {
   kFeatChunks = 1,    // token chunks (MOK_MACROBATCHES > 1: segments, early chunk sums)
   kFeatCluster = 2,   // 2-CTA clusters (MOK_CLUSTER=2: paired producers, pass tiles, half-box w2 maps)

@@ -428,14 +428,19 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   int fast_silu = 0;
   if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &fast_silu))  // expert_ffn.cuh: silu_tanh_f
     return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
-  const bool featured = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu) || a->glu;
-  const int v = (a->fp8 ? 1 : 0) + (featured ? 2 : 0);
+  // Instances: lean (kFeat 0), the SwiGLU variant alone (kFeatGlu: a clamped / offset SwiGLU model runs as fast
+  // as a plain one), and every feature (kFeatAll) for the launches that need another one.
+  const bool other_features = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu);
+  const int v = (a->fp8 ? 1 : 0) + (other_features ? 4 : a->glu ? 2 : 0);
   using KernelFn = void (*)(const mok::Params);
-  static const KernelFn kernels[4] = {mok::mok_forward_kernel<false, 0>, mok::mok_forward_kernel<true, 0>,
+  static const KernelFn kernels[6] = {mok::mok_forward_kernel<false, 0>,
+                                      mok::mok_forward_kernel<true, 0>,
+                                      mok::mok_forward_kernel<false, mok::kFeatGlu>,
+                                      mok::mok_forward_kernel<true, mok::kFeatGlu>,
                                       mok::mok_forward_kernel<false, mok::kFeatAll>,
                                       mok::mok_forward_kernel<true, mok::kFeatAll>};
   const KernelFn kernel = kernels[v];
-  static int cached_smem[4][64] = {{0}}, cached_blocks[4][64] = {{0}};  // per variant and device: set once per size
+  static int cached_smem[6][64] = {{0}}, cached_blocks[6][64] = {{0}};  // per variant and device: set once per size
   const int dslot = a->device & 63;
   if (cached_smem[v][dslot] != smem) {
     MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -7,7 +7,7 @@
 //
 // (megatron_mok/activation.py is the definition; the clamp's gradient passes at its bounds, as torch.clamp's
 // does). The plain SwiGLU (Params::glu == 0) never reaches these helpers, so its code and bits are those of
-// silu(g) * u; the forward compiles the variant into its featured instance only (kFeatGlu).
+// silu(g) * u: the variant lives in kernel instances of its own (forward kFeatGlu, backward kGlu).
 #pragma once
 
 #include "common.cuh"

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from megatron_mok.activation import PLAIN, swiglu, swiglu_backward
+
 
 def make_experts(R, L, H, F, device, gen, strided=False):
     """w1[q][e] [2F, H] (rows 0..F-1 gate, F..2F-1 up), w2[q][e] [H, F]; bf16, scaled for unit-ish outputs."""
@@ -149,7 +151,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
+def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2, glu=None):
     """The FP8 recipe (megatron_mok.fp8: 1 x 128 activation / 128 x 128 weight block scales, fp32
     accumulation one K block at a time, bf16 y) applied row by row as the FP8 kernel does.
     Returns (out[r], combine[r], h[q]): h[q] is owner q's fp32 fc1 output [rows, 2F] in layout order
@@ -168,7 +170,6 @@ def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
             g = q * L + e
             w1q, w1s = fp8.quantize_weight_128x128(w1[q][e])
             w2q, w2s = fp8.quantize_weight_128x128(w2[q][e])
-            F = w2[q][e].shape[1]
             for r in range(R):
                 tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
                 if tt.numel() == 0:
@@ -176,7 +177,7 @@ def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
                 xq, xs = fp8.quantize_act_1x128(x[r][tt])
                 h = fp8.fp8_linear(xq, xs, w1q, w1s)
                 hq.append(h)
-                a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+                a = swiglu(h, glu or PLAIN)
                 aq, as_ = fp8.quantize_act_1x128(a)
                 combs[r][tt, kk] = fp8.fp8_linear(aq, as_, w2q, w2s).bfloat16()
         F2 = 2 * w2[q][0].shape[1]
@@ -185,7 +186,7 @@ def ground_truth_fp8(x, topk_idx, topk_weight, w1, w2):
 
 
 @torch.no_grad()
-def exact_fp32(x, topk_idx, topk_weight, w1, w2):
+def exact_fp32(x, topk_idx, topk_weight, w1, w2, glu=None):
     """The MoE layer in fp32 from the bf16 inputs, no intermediate roundings (error yardstick)."""
     R, L = len(x), len(w1[0])
     with _no_tf32():
@@ -193,20 +194,19 @@ def exact_fp32(x, topk_idx, topk_weight, w1, w2):
         for q in range(R):
             for e in range(L):
                 g = q * L + e
-                F = w2[q][e].shape[1]
                 for r in range(R):
                     tt, kk = torch.nonzero(topk_idx[r] == g, as_tuple=True)
                     if tt.numel() == 0:
                         continue
                     h = x[r][tt].float() @ w1[q][e].float().t()
-                    a = torch.nn.functional.silu(h[:, :F]) * h[:, F:]
+                    a = swiglu(h, glu or PLAIN)
                     y = a @ w2[q][e].float().t()
                     outs[r].index_add_(0, tt, y * topk_weight[r][tt, kk].unsqueeze(1))
         return outs
 
 
 @torch.no_grad()
-def ground_truth_fp8_backward(x, topk_idx, topk_weight, w1, w2, grad_out, combine, saved_h):
+def ground_truth_fp8_backward(x, topk_idx, topk_weight, w1, w2, grad_out, combine, saved_h, glu=None):
     """The FP8 dgrad recipe the backward kernel follows (``kernel.dtype fp8``), row by row in layout order
     from the kernel's own saved fc1 output ``saved_h[q]`` (bf16 [rows, 2F], layout order) and forward
     ``combine[r]`` [T, K, H]:
@@ -232,7 +232,6 @@ def ground_truth_fp8_backward(x, topk_idx, topk_weight, w1, w2, grad_out, combin
             row = 0
             for e in range(L):
                 g = q * L + e
-                F = w2[q][e].shape[1]
                 w1q, w1s = fp8.quantize_weight_128x128(w1[q][e])
                 w2q, w2s = fp8.quantize_weight_128x128(w2[q][e])
                 d1 = torch.zeros(w1[q][e].shape, dtype=torch.float32, device=x[0].device)
@@ -247,11 +246,11 @@ def ground_truth_fp8_backward(x, topk_idx, topk_weight, w1, w2, grad_out, combin
                     gy = (topk_weight[r][tt, kk, None] * grad_out[r][tt].float()).bfloat16().float()
                     gq, gs = fp8.quantize_act_1x128(gy)
                     d_act = fp8.fp8_linear(gq, gs, w2q.t().contiguous(), w2s.t().contiguous())
-                    dh = fp8.swiglu_backward(h, d_act).bfloat16().float()
+                    dh = swiglu_backward(h, d_act, glu or PLAIN).bfloat16().float()
                     hq, hs = fp8.quantize_act_1x128(dh)
                     dx = fp8.fp8_linear(hq, hs, w1q.t().contiguous(), w1s.t().contiguous())
                     bufs[r][tt, kk] = dx.bfloat16()
-                    act = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]).bfloat16().float()
+                    act = swiglu(h, glu or PLAIN).bfloat16().float()
                     d2 += gy.t() @ act
                     d1 += dh.t() @ x[r][tt].float()
                 dw1[q][e], dw2[q][e] = d1, d2

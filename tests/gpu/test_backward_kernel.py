@@ -54,13 +54,14 @@ def test_backward_kernel_compiles_for_sm90a(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------
-def _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos):
+def _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos, glu=None):
+    from megatron_mok.activation import PLAIN
     from megatron_mok.reference import MokPlan, mok_backward, mok_forward
     from megatron_mok.transport import run_emulated
 
     def body(tp):
         r = tp.rank
-        plan = MokPlan(tp, E, ring)
+        plan = MokPlan(tp, E, ring, glu=glu or PLAIN)
         wr1, wr2 = w1[r * L : (r + 1) * L], w2[r * L : (r + 1) * L]
         out, state = mok_forward(plan, xs[r], idx[r].long(), ws[r], wr1, wr2)
         gx, gw, g1, g2 = mok_backward(plan, state, gos[r], wr1, wr2)
@@ -88,6 +89,7 @@ def _case(
     chain_forward=False,
     saved_h=False,
     kept=False,
+    glu=None,
 ):
     from routings import make_topk
 
@@ -110,7 +112,7 @@ def _case(
     w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(E)]
     gos = [torch.randn(t, H, generator=g).to(dev, torch.bfloat16) for t in tokens]
     ring = RingSpec(minibatch_tokens=minibatch, ring_slots=ring_slots)
-    ref = _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos)
+    ref = _reference(R, E, L, ring, xs, idx, ws, w1, w2, gos, glu)
     comb = [ref[r][1].view(tokens[r], K, H) for r in range(R)]
     hs = None
     if saved_h:  # the forward kernel keeps h (bf16) and the backward reads it instead of recomputing fc1
@@ -129,7 +131,7 @@ def _case(
 
         if not fk.is_available():
             pytest.skip(f"forward kernel unavailable: {fk.unavailable_reason()}")
-        _, comb, _ = fk.mok_forward_emulated(
+        out, comb, _ = fk.mok_forward_emulated(
             xs,
             [i.int().contiguous() for i in idx],
             ws,
@@ -140,7 +142,12 @@ def _case(
             minibatch_tokens=minibatch,
             saved_h=hs,
             keep=keep,
+            glu=glu,
         )
+        if glu is not None:  # the forward kernel's variant against the reference's
+            for r in range(R):
+                err = _rel(out[r], ref[r][0])
+                assert err < TOL, f"rank {r}: forward output rel err {err:.3e} ({glu.describe()})"
     gx, gw, g1, g2 = bk.mok_backward_emulated(
         gos,
         xs,
@@ -156,6 +163,7 @@ def _case(
         timeout_ms=4000.0,
         saved_h=hs,
         kept=keep,
+        glu=glu,
     )
     torch.cuda.synchronize()
     worst = {}
@@ -251,6 +259,35 @@ def test_backward_with_kept_expert_input(bk, R, saved, kind):
     # the forward keeps the layout-order x and act rows (kernel.save_expert_input); the backward pulls
     # only grad_out (and with saved h reads the forward's act), against the reference
     _case(bk, R, kind, comm_sms=2, ring_slots=2, minibatch=128, seed=60 + R, saved_h=saved, kept=True)
+
+
+_GLU_VARIANTS = {"offset": (1.0, None), "clamp": (0.0, 0.5), "offset+clamp": (-0.5, 0.5)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 2])
+@pytest.mark.parametrize("mode", ["recompute", "saved_h", "kept", "saved_h+kept"])
+@pytest.mark.parametrize("variant", sorted(_GLU_VARIANTS))
+def test_forward_and_backward_glu_variants(bk, R, mode, variant):
+    # Megatron's clamped / offset SwiGLU (activation_func_clamp_value, glu_linear_offset) in the forward
+    # epilogue and in each backward path (recompute epilogue, saved-h epilogue, act rows from h, kept act)
+    from megatron_mok.activation import Glu
+
+    offset, clamp = _GLU_VARIANTS[variant]
+    glu = Glu(offset=offset, clamp=clamp)
+    _case(
+        bk,
+        R,
+        "random",
+        tokens=[500, 300][:R],
+        comm_sms=2,
+        minibatch=128,
+        seed=70 + R + len(mode) + len(variant),
+        chain_forward=True,
+        saved_h="saved_h" in mode,
+        kept="kept" in mode,
+        glu=glu,
+    )
 
 
 @pytest.mark.gpu

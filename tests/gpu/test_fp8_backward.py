@@ -31,7 +31,7 @@ from mok_truth import (  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True):
+def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True, glu=None):
     from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
     dev = torch.device("cuda")
@@ -40,13 +40,13 @@ def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True)
     rows = max(1, sum(Ts) * K)
     saved = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
-    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, **kw)
+    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, glu=glu, **kw)
     comb = [c.view(T, K, H) for c, T in zip(comb, Ts)]
     gx, gw, g1, g2, bufs = bk.mok_backward_emulated(
-        go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, timeout_ms=4000.0, return_buffers=True, **kw
+        go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, timeout_ms=4000.0, return_buffers=True, glu=glu, **kw
     )
     torch.cuda.synchronize()
-    r_gx, r_gw, r_g1, r_g2 = ground_truth_fp8_backward(x, idx, wts, w1, w2, go, comb, saved)
+    r_gx, r_gw, r_g1, r_g2 = ground_truth_fp8_backward(x, idx, wts, w1, w2, go, comb, saved, glu)
     errs = {}
     for r in range(R):
         assert gx[r].shape == (Ts[r], H) and gx[r].dtype == torch.bfloat16
@@ -94,6 +94,16 @@ def test_fp8_backward_matches_the_fp8_dgrad_recipe(kernel, bk, R, L, H, F, K, Ts
         assert rel_err(deq, bufs["gyl"][0][:n]) < 0.05
         deq = fp8.dequantize_act(bufs["dh8"][0][:n], bufs["dhs"][0][:n])
         assert rel_err(deq, bufs["dh"][0][:n]) < 0.05
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
+@pytest.mark.parametrize("offset,clamp", [(1.0, None), (0.0, 0.5), (-0.5, 0.5)])
+def test_fp8_backward_glu_variants_match_the_recipe(kernel, bk, case, offset, clamp):
+    """Megatron's clamped / offset SwiGLU in the FP8 dgrad's SwiGLU backward and the act rows of the wgrad."""
+    from megatron_mok.activation import Glu
+
+    R, L, H, F, K, Ts, mode, comm, slots, mb = case
+    _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed=R * 19 + F, exact=False, glu=Glu(offset, clamp))
 
 
 def test_fp8_backward_kimi_k2_slice(kernel, bk):

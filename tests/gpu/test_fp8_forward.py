@@ -89,6 +89,36 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
             assert 1e-3 < e_x < 0.08, f"rank {r}: fp8 output rel err vs fp32 {e_x:.3e} out of the recipe's range"
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[6]])
+@pytest.mark.parametrize("offset,clamp", [(1.0, None), (0.0, 0.5), (-0.5, 0.5)])
+def test_fp8_forward_glu_variants_match_the_recipe(kernel, case, offset, clamp):
+    """Megatron's clamped / offset SwiGLU in the FP8 fc1 epilogue (and the kept h stays the raw fc1 output)."""
+    from megatron_mok.activation import Glu
+    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+
+    R, L, H, F, K, Ts, mode, comm, slots, mb = case
+    glu = Glu(offset=offset, clamp=clamp)
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 37 + H)
+    q8 = quantize_expert_weights(w1, w2)
+    saved = [torch.full((max(1, sum(Ts) * K), 2 * F), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(R)]
+    out, comb, _ = kernel.mok_forward_emulated(
+        x, idx, wts, w1, w2, comm_sms=comm, ring_slots=slots, minibatch_tokens=mb, fp8=q8, saved_h=saved, glu=glu
+    )
+    torch.cuda.synchronize()
+    r_out, r_comb, r_h = ground_truth_fp8(x, idx, wts, w1, w2, glu)
+    plain_out, _, _ = ground_truth_fp8(x, idx, wts, w1, w2)
+    for q in range(R):
+        n = r_h[q].shape[0]
+        if n:
+            assert rel_err(saved[q][:n], r_h[q]) < 1e-2, f"owner {q}: saved fc1 output"
+    for r in range(R):
+        if Ts[r] == 0 or not (idx[r] >= 0).any():
+            continue
+        e_c, e_o = rel_err(comb[r], r_comb[r]), rel_err(out[r], r_out[r])
+        assert e_c < 2e-2 and e_o < 2e-2, f"rank {r} {glu.describe()}: combine {e_c:.3e} out {e_o:.3e}"
+        assert rel_err(out[r], plain_out[r]) > 0.1, f"rank {r} {glu.describe()}: no different from the plain SwiGLU"
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[-1]])
 def test_fp8_fast_silu_stays_within_the_recipe(kernel, case, monkeypatch):
     """MOK_FP8_FAST_SILU=1 (SiLU through tanh.approx in the fc1 epilogue, expert_ffn.cuh: silu_tanh_f) moves

@@ -148,7 +148,12 @@ def _init_nccl_single():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
 
 
-def test_megatron_layer_kernel_backend_equals_alltoall(monkeypatch):
+@pytest.mark.parametrize(
+    "glu_settings",
+    [{}, {"glu_linear_offset": 1.0, "activation_func_clamp_value": 0.5}],
+    ids=["swiglu", "clamped-offset-swiglu"],
+)
+def test_megatron_layer_kernel_backend_equals_alltoall(monkeypatch, glu_settings):
     _kernel_or_skip()
     pytest.importorskip("megatron.core")
     _init_nccl_single()
@@ -156,7 +161,7 @@ def test_megatron_layer_kernel_backend_equals_alltoall(monkeypatch):
     from megatron_mok.testing import build_moe_layer, moe_transformer_config
 
     H, F, E, K = 1024, 512, 8, 2
-    kw = dict(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=K, dtype=torch.bfloat16)
+    kw = dict(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=K, dtype=torch.bfloat16, **glu_settings)
     torch.manual_seed(0)
     base = build_moe_layer(moe_transformer_config(dispatcher="alltoall", **kw)).cuda()
     tc = moe_transformer_config(dispatcher="mok", **kw)
