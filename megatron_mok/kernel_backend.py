@@ -320,6 +320,7 @@ class KernelBackend:
                 check=self.check,
                 fp8=(f8 := self._fp8_dgrad_weights(state, w1, w2)),
                 kept=state.get("kernel_kept"),
+                glu=plan.glu,
             )
             self.last_backward = "kernel (fp8 dgrad)" if f8 is not None else "kernel"
             return gx[0], gw[0], gw1[0], gw2[0]

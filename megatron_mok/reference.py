@@ -307,6 +307,10 @@ def mok_backward(
         for e, a, b in layout.segments(lo, hi):
             xe = state["saved_x"][a:b].to(acc)
             h = state["saved_h"][a:b] if state["saved_h"] is not None else xe @ w1[e].detach().to(acc).t()
+            if not plan.glu.plain:
+                # the clamp's gradient mask is decided on the fc1 output in the activation dtype, as Megatron's
+                # experts (their fc1 output is bf16) and the kernel (bf16 h, saved or rounded) decide it
+                h = h.to(dtype).to(acc)
             act = swiglu(h, plan.glu).to(dtype).to(acc)
             g = gy[a - lo : b - lo]
             grad_w2[e] += g.t() @ act

@@ -116,3 +116,39 @@ def test_expert_glu_te_op_fuser_with_clamp_runs_megatron_experts():
     got = expert_glu(cfg, _experts(te_op_fuser=True))
     assert isinstance(got, str) and "use_transformer_engine_op_fuser" in got
     assert expert_glu(moe_transformer_config(dispatcher="alltoall"), _experts(te_op_fuser=True)) == PLAIN
+
+
+@pytest.mark.parametrize("save_fc1_output", [True, False])
+def test_kernel_backend_hands_the_variant_to_every_launch(monkeypatch, save_fc1_output):
+    """The kernel backend passes the plan's variant to the forward and backward launches (launches stubbed:
+    what reaches them is what a GPU run computes with)."""
+    from megatron_mok import kernel
+    from megatron_mok.kernel import backward as bwd
+    from megatron_mok.kernel_backend import KernelBackend
+    from megatron_mok.reference import MokPlan, RingSpec
+    from megatron_mok.transport import EmulatedTransport, _Exchange
+
+    seen: dict[str, object] = {}
+    T, H, F, K, L = 6, 8, 4, 2, 2
+
+    def forward(x, idx, w, w1, w2, **kw):
+        seen["forward"] = kw.get("glu")
+        return [x[0].clone()], [torch.zeros(T, K, H)], [torch.zeros(L, dtype=torch.int32)]
+
+    def backward(grad_out, x, idx, w, comb, w1, w2, **kw):
+        seen["backward"] = kw.get("glu")
+        return [grad_out[0].clone()], [torch.zeros(T, K)], [[torch.zeros(2 * F, H)] * L], [[torch.zeros(H, F)] * L]
+
+    monkeypatch.setattr(kernel, "mok_forward_emulated", forward)
+    monkeypatch.setattr(kernel, "check_pending_errors", lambda wait=False: None)
+    monkeypatch.setattr(bwd, "is_available", lambda: True)
+    monkeypatch.setattr(bwd, "mok_backward_emulated", backward)
+    monkeypatch.setattr(KernelBackend, "_kept_rows", lambda self, *a: None)
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(*a, **{**k, "device": "cpu"}))
+    glu = Glu(offset=1.0, clamp=7.0)
+    plan = MokPlan(EmulatedTransport(0, _Exchange(1)), L, RingSpec(64, 2), save_fc1_output=save_fc1_output, glu=glu)
+    backend = KernelBackend(comm_sms=1, timeout_ms=100.0)
+    w1, w2 = [torch.zeros(2 * F, H)] * L, [torch.zeros(H, F)] * L
+    _, state = backend.forward(plan, torch.zeros(T, H), torch.zeros(T, K, dtype=torch.long), torch.ones(T, K), w1, w2)
+    backend.backward(plan, state, torch.zeros(T, H), w1, w2)
+    assert seen == {"forward": glu, "backward": glu}

@@ -14,11 +14,29 @@
 
 namespace mok {
 
-// g, u -> the clamped gate and the clamped, offset up value (a NaN stays a NaN, as in torch.clamp).
+// x rounded to bf16 (round to nearest even) and back: where the clamp's gradient mask is decided (the saved h
+// and Megatron's fc1 output are bf16; the recompute path rounds its fp32 accumulators the same way).
+__device__ __forceinline__ float bf16_round(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+// min / max that return NaN when an operand is NaN (PTX min.NaN / max.NaN, sm_80+: one FMNMX each, where a
+// compare-and-select takes two): the clamp keeps a NaN a NaN, as torch.clamp does.
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// g, u -> the clamped gate and the clamped, offset up value: four instructions (the FP8 fc1 epilogue runs 64 of
+// these per thread and tile, on its critical path).
 __device__ __forceinline__ void glu_inputs(const Params& P, float& g, float& u) {
   const float c = P.glu_clamp;
-  g = g > c ? c : g;
-  u = (u > c ? c : (u < -c ? -c : u)) + P.glu_offset;
+  g = min_nan(g, c);
+  u = max_nan(min_nan(u, c), -c) + P.glu_offset;
 }
 
 // The SwiGLU backward's two factors at (g, u) of the variant: c1 = d act / d g, c2 = d act / d u, and act;

@@ -343,8 +343,9 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
             for (int p = 0; p < 2; ++p) {
               const float g = acc[4 * j + 2 * h + p];
               const float u = acc[4 * (j + 16) + 2 * h + p];
-              if constexpr (kGlu) {  // clamp / offset (swiglu.cuh)
-                glu_terms(B, g, u, [](float x) { return sigmoid_fast(x); }, v1[p], v2[p], av[p]);
+              if constexpr (kGlu) {  // clamp / offset (swiglu.cuh), on h rounded to bf16 as the saved-h path
+                glu_terms(B, bf16_round(g), bf16_round(u), [](float x) { return sigmoid_fast(x); }, v1[p], v2[p],
+                          av[p]);
               } else {
                 const float sig = sigmoid_fast(g);
                 const float silu = g * sig;
