@@ -4,8 +4,8 @@ Forward: the fused MoK kernel (schedule, pull dispatch, expert FFN, push combine
 Backward: the MoK backward kernel (schedule, pull reverse-combine of output gradients and input rows,
 router-weight gradient, fc1 recompute + SwiGLU backward + dgrad, push reverse-dispatch, top-k sum),
 then the wgrad kernel (fp32 expert weight gradients from the layout-order buffers it leaves, same
-stream, no host sync; ``MOK_WGRAD=mm`` uses per-expert cuBLAS GEMMs instead, a diagnostic).
-``MOK_BACKWARD=reference`` runs the reference backward algorithm on the GPU instead.
+stream, no host sync). Where the backward library cannot be loaded, the reference backward algorithm runs on
+the GPU instead.
 
 ``dtype="fp8"`` (config ``kernel.dtype: fp8``): the FP8 forward kernel (e4m3, 1 x 128 activation /
 128 x 128 weight block scales; the expert weights quantised once per weight version, cached). With the
@@ -15,8 +15,7 @@ bf16; with fc1 recompute the backward is the bf16 kernel (recompute has no FP8 v
 
 EP > 1 (one process per GPU, NCCL group): both kernels are launched per rank over torch symmetric
 memory (``kernel.peer_ep.mok_forward_rank``, ``kernel.backward.mok_backward_rank``); the ranks meet on
-signal pads inside the kernels. ``MOK_BACKWARD=reference`` runs the reference backward over the process
-group instead. Every EP rank must pass the same token count.
+signal pads inside the kernels. Every EP rank must pass the same token count.
 """
 
 from __future__ import annotations
@@ -70,18 +69,14 @@ class KernelBackend:
         # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
         self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
         self.last_backward: str | None = None
-        # expert weight gradients after the dgrad kernel: our wgrad kernel, or cuBLAS per expert (diagnostic)
-        self.wgrad = os.environ.get("MOK_WGRAD", "kernel")
-        if self.wgrad not in ("kernel", "mm"):
-            raise ValueError(f"MOK_WGRAD must be 'kernel' or 'mm', got {self.wgrad!r}")
         self._peers = None  # kernel.PeerBuffers of EP > 1 (symmetric memory, per process group)
 
     def _peer_buffers(self, tp, T: int, H: int, K: int, device):
-        from .kernel import PeerBuffers, fp8_src_quant_built
+        from .kernel import PeerBuffers
 
         b = self._peers
-        # the FP8 forward of a MOK_FP8_SRC_QUANT=1 build pulls each rank's source-quantised copy from its region
-        srcq = self.dtype == "fp8" and fp8_src_quant_built()
+        # the FP8 forward pulls each rank's source-quantised copy from its region
+        srcq = self.dtype == "fp8"
         if (
             b is None
             or b.region.tokens_cap < T
@@ -186,7 +181,7 @@ class KernelBackend:
         """EP > 1: the backward kernel launched per rank over the same symmetric buffers."""
         from .kernel.backward import is_available, mok_backward_rank
 
-        if os.environ.get("MOK_BACKWARD", "kernel") == "reference" or not is_available():
+        if not is_available():
             gx, gw, gw1, gw2 = self._backward_peer_reference(plan, state, grad_out, w1, w2)
             return _add_into(mg1, mg2, gx, gw, gw1, gw2)
         T, K, H = state["shape"]
@@ -203,7 +198,7 @@ class KernelBackend:
             ring_slots=plan.ring.ring_slots,
             minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,
             timeout_ms=self.timeout_ms,
-            wgrad=self.wgrad,
+            wgrad="kernel",
             saved_h=state.get("kernel_saved_h"),
             owner_rows=self.owner_rows(self._peers.world, T, K),
             main_grad_w1=mg1,
@@ -288,7 +283,7 @@ class KernelBackend:
     def backward(self, plan, state, grad_out, w1, w2, main_grads=None):
         """main_grads: (fc1 main_grads, fc2 main_grads) fp32 to add the weight gradients into (then
         those are returned as the weight gradients), or None. Every path adds them: the wgrad kernel
-        itself, the "mm" wgrad after its GEMMs, the reference fallbacks through _add_into."""
+        itself, the reference fallbacks through _add_into."""
         from . import kernel
 
         # finished launches' error records (forward and earlier backwards), without waiting: the host
@@ -299,7 +294,7 @@ class KernelBackend:
             return self._backward_peer(plan, state, grad_out, w1, w2, mg1, mg2)
         from .kernel import backward as bwd
 
-        if os.environ.get("MOK_BACKWARD", "kernel") != "reference" and bwd.is_available():
+        if bwd.is_available():
             T, K, H = state["shape"]
             gx, gw, gw1, gw2 = bwd.mok_backward_emulated(
                 [grad_out.contiguous().to(state["dtype"])],
@@ -313,7 +308,7 @@ class KernelBackend:
                 ring_slots=plan.ring.ring_slots,
                 minibatch_tokens=self.backward_minibatch_tokens or plan.ring.minibatch_tokens,
                 timeout_ms=self.timeout_ms,
-                wgrad=self.wgrad,
+                wgrad="kernel",
                 saved_h=state.get("kernel_saved_h"),
                 main_grad_w1=None if mg1 is None else [list(mg1)],
                 main_grad_w2=None if mg2 is None else [list(mg2)],

@@ -49,7 +49,7 @@ def test_peer_timeout_names_the_missing_peer():
     msg = format_error([1, 0, -1, 13, 5, 4, 3, 7], 4, 2, 250.0, kernel="MoK kernel", phases=emulated._PHASES)
     assert msg == (
         "MoK kernel timed out: rank 0 waiting for peer source-quantised signal (a peer rank has not written its "
-        "tokens' e4m3 copy, MOK_FP8_SRC_QUANT=1): rank 3 did not signal call 5 (its flag reads 4) within 250 ms "
+        "tokens' e4m3 copy for the FP8 forward): rank 3 did not signal call 5 (its flag reads 4) within 250 ms "
         "(CTA 7)"
     )
     counter = format_error([1, 1, 2, 3, 9, 8, 0, 5], 2, 2, 100.0, kernel="MoK kernel", phases=emulated._PHASES)

@@ -37,7 +37,7 @@ def test_region_without_fp8_sources_has_no_copy():
 
 
 def test_region_with_fp8_sources_appends_the_copy():
-    """MOK_FP8_SRC_QUANT=1 builds: the e4m3 rows and their 1 x 128 scales after the signal pad, aligned and
+    """The FP8 forward's source-quantised copy: the e4m3 rows and their 1 x 128 scales after the signal pad, aligned and
     disjoint; every other offset as without them (the backward reads the same region)."""
     plain = PeerRegion.plan(tokens_cap=8192, hidden=7168, topk=8)
     r = PeerRegion.plan(tokens_cap=8192, hidden=7168, topk=8, fp8_sources=True)

@@ -15,38 +15,6 @@
 #define MOK_MAX_EXPERTS 8192
 #define MOK_MAX_SLOTS 64
 
-// Build-time switches (megatron_mok/kernel/build.py sets them from the variables of the same name):
-// MOK_FP8_ORDERED 1 compiles in the FP8 K loop's issue-order barriers (the run-time knob MOK_FP8_ISSUE_ORDER
-// then picks 0 / 1 / 2), 0 (default) leaves them out: side by side on an H100 the code itself cost ~5 % with
-// order 0 and ~3 % with order 1 against the build without it (scripts/NOTES-kernel.md, thirteenth and
-// fourteenth sessions).
-#ifndef MOK_FP8_ORDERED
-#define MOK_FP8_ORDERED 0
-#endif
-static_assert(MOK_FP8_ORDERED == 0 || MOK_FP8_ORDERED == 1, "MOK_FP8_ORDERED must be 0 or 1");
-// MOK_FP8_SRC_QUANT 1: the FP8 forward quantises each token once, at its source, into an e4m3 copy with its
-// 1 x 128 scales (pull_dispatch.cuh: quantize_sources) before the pulls, which then copy e4m3 rows (half the
-// bytes of the bf16 rows they read now, one quantisation per token instead of one per routed copy; the same
-// blocks of the same rows, so the same bits); the default. 0: the pull quantises every copy on its way into the
-// ring. Emulated launches keep the copies in the workspace; per-rank launches in each rank's symmetric region
-// (peer_ep.py: PeerRegion fp8_sources), and peers pull them after its source-quantised signal (peer_sync.cuh):
-// in real EP that also halves the NVLink bytes of the dispatch, as DeepEP's FP8 dispatch does.
-#ifndef MOK_FP8_SRC_QUANT
-#define MOK_FP8_SRC_QUANT 1
-#endif
-static_assert(MOK_FP8_SRC_QUANT == 0 || MOK_FP8_SRC_QUANT == 1, "MOK_FP8_SRC_QUANT must be 0 or 1");
-// MOK_FP8_SCALE_KMAJOR 1: the FP8 forward's activation scales (ring_scale of the pulled rows, act_scale of the SwiGLU
-// output) are stored K-block-major, [block][row] over the launch's slot rows (fp8_scale_at). The K loop's scale
-// loads (per thread, rows r and r + 8 of its fragment, one K block ahead) then read 8 consecutive rows per warp
-// load: one L2 sector instead of eight, 16 sector reads per SM and K block instead of 128 (~8 % on top of the
-// 48 KB of operands the TMA brings). The writers pay instead: the pull's 56 scales of a row land in 56 sectors
-// (written once, read by every n-tile of the row), the fc1 epilogue's 8 rows per warp in one; the default. 0:
-// [row][block]. Same scales, same arithmetic: same bits.
-#ifndef MOK_FP8_SCALE_KMAJOR
-#define MOK_FP8_SCALE_KMAJOR 1
-#endif
-static_assert(MOK_FP8_SCALE_KMAJOR == 0 || MOK_FP8_SCALE_KMAJOR == 1, "MOK_FP8_SCALE_KMAJOR must be 0 or 1");
-
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
 // -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
 // extra branches or registers; the bitmask comes from the MOK_DEBUG environment variable.
@@ -117,7 +85,7 @@ enum Phase : int {
   kPhasePeerShape = 10,      // per-rank launch: a peer announced a different token count
   kPhaseWgrad = 11,          // wgrad: expert row counts inconsistent with the layout buffers
   kPhaseChunkDone = 12,      // forward, token chunks: a chunk's final sum waits for its minibatches' pushes
-  kPhasePeerSrcQuant = 13,   // per-rank FP8 launch of a MOK_FP8_SRC_QUANT=1 build: waits for every peer's
+  kPhasePeerSrcQuant = 13,   // per-rank FP8 launch: waits for every peer's
                              // source-quantised signal (its tokens' e4m3 copy written)
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
@@ -143,7 +111,7 @@ struct RankTable {
 
 // Signal pad of a rank (per-rank launches): slot [kind][src] is written by rank src with the call's
 // epoch (monotonic across calls, so the pad is never re-zeroed). kSigTokens carries src's T. kSigSrcQuant:
-// src's tokens are quantised into its symmetric e4m3 copy (FP8 forward of a MOK_FP8_SRC_QUANT=1 build only).
+// src's tokens are quantised into its symmetric e4m3 copy (FP8 forward only).
 enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigSrcQuant = 3, kSigKinds = 4 };
 
 struct Params {
@@ -160,13 +128,8 @@ struct Params {
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy,
                                       // 32 no fp8 scale promotion (the drain stays), 64 no fp8 drain
                                       // either (wait<1> as bf16), 256 progress codes (hang diagnosis)
-  int consumer_lead_ns;               // forward: the second consumer warpgroup starts this much later (MOK_CONSUMER_LEAD_NS)
-  int consumer_sync;                  // forward: both consumer warpgroups meet after every tile (MOK_CONSUMER_SYNC; off)
-  int fp8_issue_order;                // fp8 forward and dgrad: the second consumer warpgroup issues each stage's
-                                      // group after the first (fp8_kloop.cuh; MOK_FP8_ISSUE_ORDER, default on)
   int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
-  int cluster;                        // forward: 1, or 2 = 2-CTA clusters sharing weight tiles (MOK_CLUSTER; pair_tiles.cuh)
   int num_chunks, total_entries;
   int stall_rank, stall_slot;
   unsigned long long timeout_ns;
@@ -202,9 +165,9 @@ struct Params {
   // above, reinterpreted), with one fp32 scale per 1 x 128 block of each row; the expert weights (tensor
   // maps) are e4m3 with one fp32 scale per 128 x 128 block. Null in the bf16 kernel.
   const float* const* wscale;         // [nparts * L * 2]: local expert g' -> {w1 [2F/128, H/128], w2 [H/128, F/128]}
-  float* ring_scale;                  // [nparts][S][slot_rows][H / 128]; MOK_FP8_SCALE_KMAJOR=1: [H / 128][nparts*S*slot_rows]
-  float* act_scale;                   // [nparts][S][slot_rows][F / 128]; MOK_FP8_SCALE_KMAJOR=1: [F / 128][nparts*S*slot_rows]
-  // FP8 forward of a MOK_FP8_SRC_QUANT=1 build: rank r's tokens as e4m3 rows with their 1 x 128 scales, written
+  float* ring_scale;                  // [H / 128][nparts * S * slot_rows] (K-block-major: fp8_scale_at)
+  float* act_scale;                   // [F / 128][nparts * S * slot_rows]
+  // FP8 forward: rank r's tokens as e4m3 rows with their 1 x 128 scales, written
   // by r's launch before the pulls (emulated: workspace; per-rank launches: r's symmetric region, peer
   // pointers). Null otherwise.
   uint8_t* const* xq;                 // [R] -> [T_r][H]
@@ -215,24 +178,20 @@ struct Params {
                                       // glu_linear_offset)
 };
 
-// Float index of (slot row r, K block kb) in the FP8 forward's activation-scale buffers (ring_scale: nk = H / 128,
-// act_scale: nk = F / 128; r = the flattened slot row, part * S * slot_rows + slot * slot_rows + row), and the
-// floats between a row's consecutive K blocks: [row][block] by default, [block][row] under MOK_FP8_SCALE_KMAJOR=1.
+// Float index of (slot row r, K block kb) in the FP8 forward's activation-scale buffers (ring_scale of the pulled
+// rows, act_scale of the SwiGLU output; r = the flattened slot row, part * S * slot_rows + slot * slot_rows + row),
+// and the floats between a row's consecutive K blocks. The scales are stored K-block-major, [block][row]: the K
+// loop's scale loads (per thread, rows r and r + 8 of its fragment, one K block ahead) then read 8 consecutive
+// rows per warp load, one L2 sector instead of eight (16 sector reads per SM and K block instead of 128); the
+// writers pay instead (the pull's scales of a row land in H / 128 sectors, written once, read by every n-tile).
+// Together with the source quantisation this made the FP8 forward 3.7 % faster (docs/design.md).
 __device__ __forceinline__ long long fp8_scale_rows(const Params& P) {
   return (long long)P.nparts * P.ring_slots * P.slot_rows;
 }
-__device__ __forceinline__ long long fp8_scale_at(const Params& P, long long r, int kb, int nk) {
-  return MOK_FP8_SCALE_KMAJOR ? kb * fp8_scale_rows(P) + r : r * nk + kb;
+__device__ __forceinline__ long long fp8_scale_at(const Params& P, long long r, int kb, int /*nk*/) {
+  return kb * fp8_scale_rows(P) + r;
 }
-__device__ __forceinline__ long long fp8_scale_step(const Params& P) {
-  return MOK_FP8_SCALE_KMAJOR ? fp8_scale_rows(P) : 1;
-}
-
-// The FP8 issue order a launch runs (fp8_kloop.cuh): 0 in a build without the issue-order code
-// (MOK_FP8_ORDERED=0), as a constant, so every branch on it compiles away there.
-__host__ __device__ __forceinline__ int fp8_issue_order(const Params& P) {
-  return MOK_FP8_ORDERED ? P.fp8_issue_order : 0;
-}
+__device__ __forceinline__ long long fp8_scale_step(const Params& P) { return fp8_scale_rows(P); }
 
 // Optional forward features, compiled into an instance of the forward kernel (its template argument kFeat):
 // the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, the SwiGLU-variant
@@ -242,18 +201,13 @@ __host__ __device__ __forceinline__ int fp8_issue_order(const Params& P) {
 // scripts/NOTES-kernel.md fourteenth session).
 enum FwdFeature : int {
   kFeatChunks = 1,    // token chunks (MOK_MACROBATCHES > 1: segments, early chunk sums)
-  kFeatCluster = 2,   // 2-CTA clusters (MOK_CLUSTER=2: paired producers, pass tiles, half-box w2 maps)
-  kFeatFastSilu = 4,  // the FP8 fc1 epilogue's tanh.approx SiLU (MOK_FP8_FAST_SILU=1)
-  kFeatGlu = 8,       // the SwiGLU variant (clamp / offset, swiglu.cuh) in the fc1 epilogue
-  kFeatAll = 15,
+  kFeatFastSilu = 2,  // the FP8 fc1 epilogue's tanh.approx SiLU (MOK_FP8_FAST_SILU=1)
+  kFeatGlu = 4,       // the SwiGLU variant (clamp / offset, swiglu.cuh) in the fc1 epilogue
+  kFeatAll = 7,
 };
 template <int kFeat>
 __host__ __device__ __forceinline__ bool feat_chunks(const Params& P) {
   return (kFeat & kFeatChunks) && P.macrobatches > 1;
-}
-template <int kFeat>
-__host__ __device__ __forceinline__ bool feat_cluster(const Params& P) {
-  return (kFeat & kFeatCluster) && P.cluster > 1;
 }
 template <int kFeat>
 __host__ __device__ __forceinline__ bool feat_fast_silu(const Params& P) {

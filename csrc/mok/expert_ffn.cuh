@@ -16,17 +16,15 @@
 // FP8 variant (template kFp8, kernel.dtype fp8): the same tiles, stages and tickets; operands are e4m3
 // (128 per SW128 row = one scale block per K step), one group of four WGMMA m64n256k32 per K block and
 // warpgroup, drained and promoted to the next block's scales before the next group (ffn_kloop_fp8;
-// fp8_quant.cuh: rescale_half; the two warpgroups' groups are ordered so one's promotion overlaps the
-// other's MMAs, MOK_FP8_ISSUE_ORDER), and the fc1 epilogue quantises the SwiGLU output per 1 x 128
+// fp8_quant.cuh: rescale_half; the other warpgroup's group keeps the tensor cores busy meanwhile), and the
+// fc1 epilogue quantises the SwiGLU output per 1 x 128
 // block (one tile = one block per row) for fc2.
 #pragma once
-#include "cluster_pair.cuh"
 #include "common.cuh"
 #include "deferred_release.cuh"
 #include "fp8_kloop.cuh"
 #include "fp8_quant.cuh"
 #include "gemm_sm90.cuh"
-#include "pair_tiles.cuh"
 #include "push_combine.cuh"
 #include "peer_sync.cuh"
 #include "pull_dispatch.cuh"
@@ -43,18 +41,15 @@ struct ComputeSmem {
   uint64_t* empty;
   uint64_t* info_full;
   uint64_t* info_empty;
-  uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
   TileInfo* info;
   int* off;        // [nseg + 1] processing-order segment offsets (seg_table; B = 1: the experts')
   int* lrow;       // [nseg] B > 1: layout row of each segment's first row
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
-  TicketBox box;   // 2-CTA clusters: the producers' ticket mailbox (cluster_pair.cuh)
-  int peer;        // 2-CTA clusters: the partner's cluster rank (its consumers share this CTA's stages); -1 off
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
-  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
-         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64 + 8 + 4 * 8 + 2 * 8;  // ..., pull flag, ticket box
+  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64;  // ..., pull flag
 }
 
 __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
@@ -64,25 +59,15 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.empty = s.full + kStages;
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
-  s.issued = s.info_empty + 2;
-  s.info = reinterpret_cast<TileInfo*>(s.issued + kStages);
+  s.info = reinterpret_cast<TileInfo*>(s.info_empty + 2);
   s.off = reinterpret_cast<int*>(s.info + 2);
   s.lrow = s.off + MOK_MAX_LOCAL_EXPERTS + 1;
   s.pull_flag = s.lrow + MOK_MAX_LOCAL_EXPERTS;  // inside compute_smem_bytes' 64 spare bytes
-  s.box.full = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(s.pull_flag + 16) + 7) & ~uintptr_t(7));
-  s.box.empty = s.box.full + 2;
-  s.box.entry = reinterpret_cast<int2*>(s.box.empty + 2);
-  s.peer = -1;
   return s;
 }
 
-// A consumer warpgroup is done with stage st: its producer may refill it -- with 2-CTA clusters only once
-// the partner's consumers are done with it too, as the partner's multicast writes into this CTA's stage
-// (each warpgroup arrives on both CTAs' empty barriers, which count 4).
-__device__ __forceinline__ void release_stage(const ComputeSmem& sm, int st) {
-  Barrier::arrive(&sm.empty[st]);
-  if (sm.peer >= 0) remote_arrive_release(&sm.empty[st], (uint32_t)sm.peer);
-}
+// A consumer warpgroup is done with stage st: its producer may refill it.
+__device__ __forceinline__ void release_stage(const ComputeSmem& sm, int st) { Barrier::arrive(&sm.empty[st]); }
 
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
 // makes ptxas drop the setmaxnreg budget (224) back to the launch bound (168 registers, spills).
@@ -133,21 +118,10 @@ __device__ __forceinline__ void publish_tile(const Params& P, int q, const Compu
   if (++ii == 2) { ii = 0; iph ^= 1u; }
 }
 
-// The K loop's TMA loads of tile ti into the stage ring. share: -1 this CTA loads its whole stage; 0 / 1
-// (2-CTA clusters, a unit whose two tiles share the weight tile) this CTA loads its activations and half
-// `share` of the weight tile, the latter multicast into both CTAs (the partner loads the other half).
-// A pass tile (kind 3) only moves the stages round: its consumers release them without reading.
-template <bool kFp8, int kFeat>
-__device__ __forceinline__ void stream_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int share,
-                                            int& st, uint32_t& ph) {
-  if (ti.kind == 3) {
-    for (int kb = 0; kb < ti.nk; ++kb) {
-      mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
-      Barrier::arrive(&sm.full[st]);
-      if (++st == kStages) { st = 0; ph ^= 1u; }
-    }
-    return;
-  }
+// The K loop's TMA loads of tile ti into the stage ring.
+template <bool kFp8>
+__device__ __forceinline__ void stream_tile(const Params& P, int q, const ComputeSmem& sm, const TileInfo& ti, int& st,
+                                            uint32_t& ph) {
   const int g = q * P.L + ti.expert;
   // A rows in the partition's ring / act tensor maps ([S * slot_rows] rows per partition)
   const int arow = (int)(slot_row(P, q, ti.mb, ti.mb_start, ti.row0, ti.lrow0) -
@@ -159,20 +133,11 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
     mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
     uint8_t* a_s = sm.stages + st * kStageBytes;
     uint8_t* b_s = a_s + kATileBytes;
-    Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);  // with a shared tile: 16 KB from the partner
+    Barrier::arrive_and_expect_tx(&sm.full[st], (uint32_t)kStageBytes);
     tma_load_2d(amap, &sm.full[st], a_s, kb * bk, arow);
-    if (share >= 0) {
-      uint8_t* half = b_s + share * (kBTileBytes / 2);
-      if (ti.kind == 1)  // the gate rows from the leader, the up rows from the follower
-        tma_load_2d_pair(share == 0 ? tmap_gate(P, g) : tmap_up(P, g), &sm.full[st], half, kb * bk, ti.nt * kFc1ActCols);
-      else
-        tma_load_2d_pair(tmap_w2(P, g), &sm.full[st], half, kb * bk, ti.nt * kBN + share * (kBN / 2));
-    } else if (ti.kind == 1) {
+    if (ti.kind == 1) {
       tma_load_2d(tmap_gate(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kFc1ActCols);
       tma_load_2d(tmap_up(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kFc1ActCols);
-    } else if (feat_cluster<kFeat>(P)) {  // a clustered launch's w2 maps have half-tile boxes (128 rows)
-      tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
-      tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s + kBTileBytes / 2, kb * bk, ti.nt * kBN + kBN / 2);
     } else {
       tma_load_2d(tmap_w2(P, g), &sm.full[st], b_s, kb * bk, ti.nt * kBN);
     }
@@ -248,107 +213,23 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
     }
     publish_tile(P, q, sm, ti, ii, iph);
     if (ti.kind == 0) return;
-    stream_tile<kFp8, kFeat>(P, q, sm, ti, -1, st, ph);
+    stream_tile<kFp8>(P, q, sm, ti, st, ph);
   }
 }
 
-// ---- 2-CTA clusters (MOK_CLUSTER=2; pair_tiles.cuh, cluster_pair.cuh) ------------------------------
-// crank: this CTA's rank in its cluster (0 = leader: draws the tickets and waits for the dependencies).
-template <bool kFp8>
-__device__ void ffn_producer_pair(const Params& P, int q, const ComputeSmem& sm, int crank) {
-  const int L = P.L, M = P.minibatch, S = P.ring_slots;
-  const int NS = P.nseg;
-  const int N = sm.off[NS];
-  const int nmb = num_minibatches(N, M);
-  // Dense tickets as in ffn_producer, one per unit (a pair of tiles): minibatch mb owns u1 + u2 of them
-  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, NS, M, 1);
-  int cur_u1 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt1);
-  int cur_u2 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt2);
-  unsigned cur_base = 0;
-  int st = 0;
-  uint32_t ph = 0;
-  int ii = 0;
-  uint32_t iph = 0;
-  for (int n = 0;; ++n) {
-    MOK_PROGRESS(0x10000000u | (unsigned)(n & 0xFFFFFF));
-    unsigned tk;
-    int go = 0;
-    if (crank == 0) {
-      tk = atomicAdd(ctr_ticket(P, q), 1u);
-    } else {
-      const int2 m = ticket_receive(P, sm.box, n, q);
-      tk = (unsigned)m.x;
-      go = m.y;
-    }
-    while (cur_mb < nmb && tk >= cur_base + (unsigned)(cur_u1 + cur_u2)) {
-      cur_base += (unsigned)(cur_u1 + cur_u2);
-      ++cur_mb;
-      cur_a = cur_b;
-      cur_b = mb_begin(sm.off, NS, M, cur_mb + 1);
-      cur_u1 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt1);
-      cur_u2 = count_pair_units(sm.off, NS, cur_a, cur_b, P.nt2);
-    }
-    const int mb = cur_mb, s = mb % S, j = mb / S;
-    int kind = 0;
-    PairUnit pu{};
-    if (mb < nmb) {
-      int u = (int)(tk - cur_base);
-      kind = u < cur_u1 ? 1 : 2;
-      if (kind == 2) u -= cur_u1;
-      if (!find_pair_unit(sm.off, NS, cur_a, cur_b, u, kind == 1 ? P.nt1 : P.nt2, pu)) {  // cannot happen
-        if (crank == 0) record_error(P, kErrInternal, q, s, kPhasePipeline, kind == 1 ? cur_u1 : cur_u2, u, 6);
-        kind = 0;
-      }
-    }
-    const int e = pu.seg % L;
-    prefetch_tile_maps(P, q * L + e, kind);
-    // the ticket's minibatch and kind (hang diagnosis: which dependency a stalled pair waits for)
-    MOK_PROGRESS(0x13000000u | (unsigned)((kind & 3) << 20) | (unsigned)(mb & 0xFFFFF));
-    if (crank == 0) {  // the dependencies of both tiles; the verdict goes to the follower with the ticket
-      bool ok = kind != 0 && wait_tile_inputs(P, q, kind, mb, pu.mt[0]);
-      if (ok && kind == 2 && pu.mt[1] != pu.mt[0]) ok = wait_tile_inputs(P, q, kind, mb, pu.mt[1]);
-      go = ok ? 1 : 0;
-      ticket_send(P, sm.box, n, tk, go, q);
-    } else if (go && kind != 0) {
-      // the leader acquired this counter; the follower's own acquire orders its TMA reads after the
-      // rows' writers too (the mailbox's release / acquire at cluster scope already should)
-      (void)ld_acquire_gpu(kind == 1 ? ctr_ready(P, q, mb) : ctr_fc1_done(P, q, mb, pu.mt[1]));
-    }
-    MOK_PROGRESS(0x11000000u | (unsigned)(n & 0xFFFFFF));
-    TileInfo ti;
-    ti.kind = 0;
-    if (go && kind != 0) {
-      const int h = crank;
-      fence_proxy_async_global();
-      ti.kind = pu.nt[h] < 0 ? 3 : kind;
-      ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = pu.mt[h]; ti.nt = pu.nt[h];
-      ti.expert = e; ti.row0 = pu.row0[h]; ti.rows = pu.rows[h]; ti.mb_start = cur_a;
-      ti.lrow0 = P.macrobatches > 1 ? sm.lrow[pu.seg] + (ti.row0 - sm.off[pu.seg]) : ti.row0;
-      ti.nk = kind == 1 ? ceil_div(P.H, kFp8 ? kBKf8 : kBK) : ceil_div(P.F, kFp8 ? kBKf8 : kBK);
-    }
-    publish_tile(P, q, sm, ti, ii, iph);
-    if (ti.kind == 0) return;
-    stream_tile<kFp8, kFeatAll>(P, q, sm, ti, pu.share_b ? crank : -1, st, ph);
-  }
-}
-
-// A consumer warpgroup with no rows in its half of a tile (or no tile: a 2-CTA pass): take each stage and
+// A consumer warpgroup with no rows in its half of a tile: take each stage and
 // give it back at once (the stage is freed when both warpgroups arrived on its empty barrier). Only the
 // warpgroup's thread 0 waits and releases; the other threads just move their ring position on. (Each warp
 // waiting by itself, a warp that fell a whole stage turnover behind -- released by thread 0, refilled, landed
 // -- would wait on the wrong phase for ever: no MMA keeps the warps of a skipping warpgroup together. Found by
-// a model check of the pipeline, scripts/NOTES-kernel.md eleventh session.)
-// issued (FP8 issue order on, first warpgroup only): thread 0 also arrives for the four warps on each stage's
-// `issued` barrier, as the K loop would: its phase must move with the stage ring's on every use of a stage
-// (fp8_kloop.cuh) -- a pass of nk stages that left it behind deadlocked the second warpgroup's next wait.
+// a model check of the pipeline.)
 __device__ __forceinline__ void skip_kloop(const Params& P, int q, const ComputeSmem& sm, int nk, int& st,
-                                           uint32_t& ph, uint64_t* issued = nullptr) {
+                                           uint32_t& ph) {
   const bool lead = (threadIdx.x & 127) == 0;
   for (int kb = 0; kb < nk; ++kb) {
     MOK_PROGRESS(0x24000000u | (unsigned)(kb & 0xFFFF));
     if (lead) {
       mbar_wait(P, &sm.full[st], ph, q, 4);
-      if (issued != nullptr) mbar_arrive_count(&issued[st], 4);
       release_stage(sm, st);
     }
     if (++st == kStages) { st = 0; ph ^= 1u; }
@@ -371,13 +252,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   DeferredActRelease act_rel;  // the whole warpgroup: its last fc1 tile's fc1_done
   const int wg_bar = 2 + wgc;  // this warpgroup's named barrier
   // The two warpgroups signal their own rows (fc1_done, mb_done count kConsumerWGs per tile) and meet
-  // only on the producer's rings (the stage ring and the 2-deep tile-info ring; with P.consumer_sync also
-  // after every tile), so one may run a few K blocks ahead: while one stores its epilogue the other
-  // keeps the tensor cores busy. A start offset (P.consumer_lead_ns, tuning knob) seeds that lag.
-  if (wgc == 1 && P.consumer_lead_ns > 0) {
-    const unsigned long long t0 = globaltimer_ns();
-    while (globaltimer_ns() - t0 < (unsigned long long)P.consumer_lead_ns) __nanosleep(64);
-  }
+  // only on the producer's rings (the stage ring and the 2-deep tile-info ring), so one may run a few K
+  // blocks ahead: while one stores its epilogue the other keeps the tensor cores busy.
   while (true) {
     if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
     act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt);
@@ -392,12 +268,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (lt == 0) rel.flush();
       act_rel.flush(wg_bar, lt);
       break;
-    }
-    if (feat_cluster<kFeat>(P) && ti.kind == 3) {  // 2-CTA clusters: no tile of this CTA in the unit; the stages go round for the partner
-      if (lt == 0) rel.flush();
-      act_rel.flush(wg_bar, lt);
-      skip_kloop(P, q, sm, ti.nk, st, ph, kFp8 && fp8_issue_order(P) && wgc == 0 ? sm.issued : nullptr);
-      continue;
     }
     const unsigned long long t_tile = globaltimer_ns();
 
@@ -452,7 +322,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
           act_rel.flush(wg_bar, lt);
         }
         if (kb == (nk > 1 ? 1 : 0)) resolve_push();  // the layout loads landed during block 0
-      }, fp8_issue_order(P) ? sm.issued : nullptr, fp8_issue_order(P) == 2);
+      });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
@@ -574,10 +444,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       if (lt == 0) rel.hold(ctr_mb_done(P, q, ti.mb));
       if (threadIdx.x == 128) timeline_record(P, kTlFc2, (unsigned)ti.mb, t_tile, globaltimer_ns(), t_mma);
     }
-    // Lock-step consumers (P.consumer_sync, off by default): both warpgroups meet after every tile, as
-    // before they signalled apart. Interleaved A/B rounds on the H200 found no gain from it for either
-    // kernel (fp8 time without / with: 0.961-1.003, bf16 0.991-1.010; scripts/NOTES-kernel.md).
-    if (P.consumer_sync) named_bar_sync(1, 256);
   }
 }
 
@@ -585,22 +451,15 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
 // Returns true if this CTA's consumer threads should go on to the final combine reduce.
 template <bool kFp8, int kFeat>
 __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
-  const bool paired = feat_cluster<kFeat>(P);  // 2-CTA cluster: the partner CTA shares this one's stage ring (cluster_pair.cuh)
-  const int crank = paired ? (int)cluster_cta_rank() : 0;
-  ComputeSmem sm_ = carve_smem(smem);
-  if (paired) sm_.peer = crank ^ 1;
-  const ComputeSmem& sm = sm_;
+  const ComputeSmem sm = carve_smem(smem);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&sm.full[s], 1);
-      Barrier::init(&sm.empty[s], paired ? 2 * kConsumerWGs : kConsumerWGs);
-      Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
+      Barrier::init(&sm.empty[s], kConsumerWGs);
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);
       Barrier::init(&sm.info_empty[i], 2);
-      Barrier::init(&sm.box.full[i], 1);
-      Barrier::init(&sm.box.empty[i], 1);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -613,40 +472,16 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
   }
   __syncthreads();
   MOK_PROGRESS(0x04000000u);
-  if (paired) {  // the partner's barriers are initialised before anyone arrives on them remotely
-    cluster_arrive();
-    cluster_wait();
-  }
   MOK_PROGRESS(0x05000000u);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
-    if (threadIdx.x < 32) {  // warp 0: lane 0 is the producer
-      if (threadIdx.x == 0) {
-        if (paired) ffn_producer_pair<kFp8>(P, q, sm, crank);
-        else ffn_producer<kFp8, kFeat>(P, q, sm);
-        MOK_PROGRESS(0x1F000000u);
-      }
-      if (paired) {  // the whole warp arrives (the cluster barrier is per warp: cluster_pair.cuh) once the
-        __syncwarp();  // producer's last remote access (ticket mailbox, multicast) is issued
-        cluster_arrive();
-      }
-    } else {
-      // warps 1-3 never touch the partner's shared memory. With the in-SM pull they arrive on the cluster
-      // barrier's last phase only once their pulls are over: an arrival left pending while they ran their
-      // named barriers kept every cluster whose compute had not ended from publishing its pulls -- the stall
-      // counts of the clustered in-SM runs (44, 52, 12, 30 of 132 / 66) are exactly twice the pairs that
-      // could end without minibatch 1 (fourteenth session; with this order the cases pass, fifteenth). Their pulls
-      // wait only for earlier minibatches' tiles, which the consumers waiting on this phase have finished.
+    if (threadIdx.x == 0) {  // warp 0, lane 0: the producer
+      ffn_producer<kFp8, kFeat>(P, q, sm);
+      MOK_PROGRESS(0x1F000000u);
+    } else if (threadIdx.x >= 32) {  // warps 1-3: the in-SM pull (comm_sms == 0)
       MOK_PROGRESS(0x06000000u);
-      auto arrive = [&] {
-        if (paired) {
-          __syncwarp();
-          cluster_arrive_relaxed();
-        }
-      };
-      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag, arrive);
-      else arrive();
+      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag);
       MOK_PROGRESS(0x07000000u);
     }
     return false;
@@ -654,11 +489,6 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     setmaxnreg_inc<224>();
     ffn_consumer<kFp8, kFeat>(P, q, sm, wg - 1);
     MOK_PROGRESS(0x28000000u);
-    if (paired) {  // no remote arrival or multicast may reach this CTA's shared memory once it has exited
-      __syncwarp();
-      cluster_arrive();
-      cluster_wait();
-    }
     MOK_PROGRESS(0x29000000u);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {

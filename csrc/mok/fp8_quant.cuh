@@ -3,8 +3,9 @@
 // q = e4m3_rn_satfinite(x * (1 / scale)), as megatron_mok/fp8.py computes it in PyTorch (up to an ulp
 // of the scale, see block_scale).
 //
-//   quantize_pull_row  comm SMs: read a bf16 x row from its source rank, write e4m3 + scales into the
-//                      ring slot (the slot row shrinks from 2H to H + H/32 bytes)
+//   quantize_pull_row  first phase of the FP8 forward: a bf16 x row of this rank into its source-quantised
+//                      copy, e4m3 + scales (pull_dispatch.cuh: quantize_sources; the pulls then move H + H/32
+//                      bytes a row instead of 2H)
 //   rescale_half       compute SMs: per-K-block scale promotion without a second accumulator. The
 //                      accumulator is kept in units of the current block's scale s_kb = sa[row] * sb[col]:
 //                      before block kb's WGMMAs acc *= s_{kb-1} / s_kb, after the last acc *= s_last.

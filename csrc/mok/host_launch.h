@@ -48,32 +48,6 @@ inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {
   return true;
 }
 
-// MOK_FP8_ISSUE_ORDER (fp8_kloop.cuh), read by the forward and the backward launcher alike: 0 off, 1 after
-// issue, 2 after landing; false with the error written for anything else. The default build leaves the
-// issue-order code out (MOK_FP8_ORDERED=0): its FP8 launches run order 0 and refuse 1 / 2 by name (a bf16
-// launch only checks the value: the knob does nothing there); a build with it (MOK_FP8_ORDERED=1) defaults
-// to order 1.
-#ifndef MOK_FP8_ORDERED
-#error "MOK_FP8_ORDERED is a build-time switch: megatron_mok/kernel/build.py passes it (common.cuh, if included first, has its default)"
-#endif
-inline bool fp8_issue_order_knob(int* out, bool fp8, char* eb, int el) {
-  if (!env_choice("MOK_FP8_ISSUE_ORDER", MOK_FP8_ORDERED ? 1 : 0, 0, 2, out)) {
-    write_err(eb, el, "MOK_FP8_ISSUE_ORDER must be 0 (off), 1 (after issue) or 2 (after landing), got '%s'",
-              getenv("MOK_FP8_ISSUE_ORDER"));
-    return false;
-  }
-  if (!MOK_FP8_ORDERED && *out != 0) {
-    if (!fp8) {
-      *out = 0;
-      return true;
-    }
-    write_err(eb, el, "MOK_FP8_ISSUE_ORDER=%s needs the issue-order code, which this build leaves out (MOK_FP8_ORDERED=0 "
-              "at build time, the default); unset it, set 0, or build with MOK_FP8_ORDERED=1", getenv("MOK_FP8_ISSUE_ORDER"));
-    return false;
-  }
-  return true;
-}
-
 // The SwiGLU variant of a launch (swiglu.cuh): glu 0 (plain) or 1 with a clamp > 0 (+inf: none) and a finite
 // offset. Copied into Params by the forward and backward launchers alike.
 inline bool glu_args_ok(int glu, float clamp, float offset, char* eb, int el) {

@@ -459,11 +459,6 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   P.defer_home = a->defer_home ? 1 : 0;
   P.x_kept = a->x_kept ? 1 : 0;
   P.act_kept = a->act_kept ? 1 : 0;
-  {
-    const char* ts = getenv("MOK_BWD_TMA_STORE");  // diagnostics: 0 = copy dh out of smem with plain stores
-    P.tma_store = (ts && ts[0] == '0') ? 0 : 1;
-    if (!fp8_issue_order_knob(&B.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;  // FP8 dgrad: as the forward
-  }
 
   MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));
   MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
@@ -480,8 +475,7 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  const char* coop = getenv("MOK_COOPERATIVE");  // as the forward: 0 = plain launch (diagnostics)
-  cfg.numAttrs = (coop && coop[0] == '0') ? 0 : 1;
+  cfg.numAttrs = 1;
   MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;

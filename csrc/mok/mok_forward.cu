@@ -8,7 +8,7 @@
 // per-rank table, so the same device code serves
 //   * emulated EP: all R ranks in one launch on one GPU (P = R), and
 //   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
-//     ranks meet at start / compute-done (FP8 with MOK_FP8_SRC_QUANT=1: also source-quantised) on their
+//     ranks meet at start / compute-done (FP8: also source-quantised) on their
 //     signal pads (peer_sync.cuh).
 //
 // Host side: a torch-independent extern "C" API (ctypes), every CUDA call checked.
@@ -20,7 +20,6 @@
 //   mok_fp8_gemm_workspace_bytes / mok_fp8_gemm_launch: the FP8 block-scaled grouped GEMM unit (fp8_gemm.cuh)
 //   mok_fp8_quantize_weight: e4m3 + 128 x 128 block scales of a bf16 weight (fp8_weight_quant.cuh)
 //   mok_mxfp8_quantize_rows: MXFP8 (e4m3 + UE8M0 per 1 x 32) rows, the Blackwell recipe's quantiser (mxfp8_quant.cuh)
-#include "cluster_pair.cuh"
 #include "common.cuh"
 #include "expert_ffn.cuh"
 #include "fp8_gemm.cuh"
@@ -68,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     if (!s_flag) return;
   }
 
-  // ---- FP8, MOK_FP8_SRC_QUANT=1: this launch's tokens quantised once, at their source (pull_dispatch.cuh) ----
-  constexpr bool kSrcQuant = kFp8 && MOK_FP8_SRC_QUANT;
+  // ---- FP8: this launch's tokens quantised once, at their source (pull_dispatch.cuh) ----
+  constexpr bool kSrcQuant = kFp8;
   if constexpr (kSrcQuant) quantize_sources<8>(P);  // ordered before every pull by grid barrier 1 (and the signal)
 
   // ---- schedule (all CTAs) ----
@@ -85,7 +84,6 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
   if (kSrcQuant && P.peer_sync && go) go = peers_quantised(P, &s_flag);  // every peer's e4m3 copy is written
   MOK_PROGRESS(0x01000000u);
-  if (feat_cluster<kFeat>(P)) go = pair_agree(go, &s_flag);  // 2-CTA clusters: both CTAs or neither (cluster_pair.cuh)
   MOK_PROGRESS(0x02000000u | (go ? 1u : 0u));
   if (!go) return;
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
@@ -192,7 +190,7 @@ struct MokLaunchArgs {
   unsigned long long keep_x;
   unsigned long long keep_act;
   long long keep_rows;
-  // FP8 per-rank launch of a MOK_FP8_SRC_QUANT=1 build (mok_fp8_src_quant_build() == 1) only: host [R] device
+  // FP8 per-rank launch only: host [R] device
   // ptrs of every rank's source-quantised copy of its tokens in its symmetric region, e4m3 [T, H] and fp32
   // [T, H / 128] scales (this rank's written by this launch, peers' pulled). Emulated launches keep the copies
   // in the workspace and ignore these.
@@ -227,13 +225,6 @@ int macrobatches(const MokLaunchArgs* a) {
   return env_choice("MOK_MACROBATCHES", 1, 1, 64, &b) ? b : 0;
 }
 
-// 2-CTA clusters sharing weight tiles (MOK_CLUSTER, a tuning knob; pair_tiles.cuh): 1 (off) unless set; 0 if
-// set to anything but 1 or 2 (validate reports it).
-int cluster_size() {
-  int c = 1;
-  return env_choice("MOK_CLUSTER", 1, 1, 2, &c) ? c : 0;
-}
-
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
   if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS)
@@ -253,10 +244,10 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
   if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
-  if (MOK_FP8_SRC_QUANT && a->fp8 && a->rank >= 0 && (!a->xq || !a->xs))
+  if (a->fp8 && a->rank >= 0 && (!a->xq || !a->xs))
     return !write_err(eb, el,
-                      "this library was built with MOK_FP8_SRC_QUANT=1: an FP8 per-rank launch needs every rank's "
-                      "source-quantised copy xq / xs in its symmetric region (PeerBuffers with fp8_sources=True)");
+                      "an FP8 per-rank launch needs every rank's source-quantised copy xq / xs in its symmetric region "
+                      "(PeerBuffers with fp8_sources=True)");
   if (a->keep_x && (a->keep_rows < a->minibatch || a->keep_rows % a->minibatch))
     return !write_err(eb, el, "keep_rows=%lld must be a positive multiple of minibatch_tokens=%d", a->keep_rows,
                       a->minibatch);
@@ -276,13 +267,6 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
                       "MOK_MACROBATCHES=%d needs EP 1 (one rank): with several source ranks a token chunk's rows are "
                       "not contiguous in an expert's layout rows yet (scripts/NOTES-kernel.md, tenth session)",
                       B);
-  const int C = cluster_size();
-  if (C < 1) return !write_err(eb, el, "MOK_CLUSTER must be 1 or 2, got '%s'", getenv("MOK_CLUSTER"));
-  if (C > 1 && a->comm_sms % 2)
-    return !write_err(eb, el, "MOK_CLUSTER=2 pairs CTAs of one role: comm_sms=%d must be even", a->comm_sms);
-  if (C > 1 && a->ctas_per_rank % 2)
-    return !write_err(eb, el, "MOK_CLUSTER=2 pairs CTAs of one rank: ctas_per_rank=%d must be even (0 = auto)",
-                      a->ctas_per_rank);
   if ((long long)B * a->L > MOK_MAX_LOCAL_EXPERTS)
     return !write_err(eb, el, "MOK_MACROBATCHES=%d x %d local experts exceeds %d row segments", B, a->L,
                       MOK_MAX_LOCAL_EXPERTS);
@@ -322,7 +306,7 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.tmaps = take((size_t)(3 * np * a->L + 2 * np) * sizeof(CUtensorMap));
   w.ranks = take((size_t)a->R * sizeof(mok::RankTable));
   w.wscale = take((size_t)np * a->L * 2 * sizeof(void*));  // staged with the maps and rank table (before ring)
-  const bool srcq = MOK_FP8_SRC_QUANT && a->fp8;  // every rank's source-quantised copy: P.xq / P.xs tables
+  const bool srcq = a->fp8;  // every rank's source-quantised copy: P.xq / P.xs tables
   w.src_ptrs = take(srcq ? (size_t)a->R * 2 * sizeof(void*) : 0);  // (staged too)
   w.ring = take((size_t)np * S * M * a->H * (a->fp8 ? 1 : 2));
   w.ring_scale = take(a->fp8 ? (size_t)np * S * M * (a->H / 128) * 4 : 0);
@@ -330,7 +314,7 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
   long long tokens = 0;
   for (int r = 0; r < a->R; ++r) tokens += a->T[r];
-  // MOK_FP8_SRC_QUANT=1, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank launches:
+  // FP8, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank launches:
   // in the symmetric regions, a->xq / a->xs)
   const bool src_copy_here = srcq && a->rank < 0;
   w.xq = take(src_copy_here ? (size_t)std::max<long long>(tokens, 1) * a->H : 0);
@@ -368,15 +352,6 @@ int mok_forward_check(const MokLaunchArgs* a, char* errbuf, int errlen) { return
 
 const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
 
-// Whether this library carries the FP8 issue-order code (build-time MOK_FP8_ORDERED; without it only
-// MOK_FP8_ISSUE_ORDER=0 launches): tests of orders 1 / 2 ask before running.
-int mok_fp8_ordered_build() { return MOK_FP8_ORDERED; }
-
-// Whether the FP8 forward of this library quantises each token once at its source (build-time MOK_FP8_SRC_QUANT).
-int mok_fp8_src_quant_build() { return MOK_FP8_SRC_QUANT; }
-
-// Whether the FP8 forward of this library keeps its activation scales K-block-major (build-time MOK_FP8_SCALE_KMAJOR).
-int mok_fp8_scale_kmajor_build() { return MOK_FP8_SCALE_KMAJOR; }
 
 int mok_smem_bytes(int E) {
   return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
@@ -416,9 +391,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   const WsLayout ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int cluster = cluster_size();  // validated: 1 or 2
   int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
-  if (cluster > 1 && a->ctas_per_rank <= 0) cpr -= cpr % 2;  // whole clusters per rank
   if (cpr < 2 || cpr - a->comm_sms < 1)
     return write_err(errbuf, errlen,
                      "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
@@ -430,7 +403,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
   // Instances: lean (kFeat 0), the SwiGLU variant alone (kFeatGlu: a clamped / offset SwiGLU model runs as fast
   // as a plain one), and every feature (kFeatAll) for the launches that need another one.
-  const bool other_features = ws.B > 1 || cluster > 1 || (a->fp8 && fast_silu);
+  const bool other_features = ws.B > 1 || (a->fp8 && fast_silu);
   const int v = (a->fp8 ? 1 : 0) + (other_features ? 4 : a->glu ? 2 : 0);
   using KernelFn = void (*)(const mok::Params);
   static const KernelFn kernels[6] = {mok::mok_forward_kernel<false, 0>,
@@ -456,40 +429,12 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   cfg.blockDim = dim3(mok::kThreads);
   cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  int nattr = 0;
   // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
-  // MOK_COOPERATIVE=0 launches plainly (diagnostics for several per-rank launches sharing one GPU).
-  const char* coop = getenv("MOK_COOPERATIVE");
-  if (!(coop && coop[0] == '0')) {
-    attr[nattr].id = cudaLaunchAttributeCooperative;
-    attr[nattr].val.cooperative = 1;
-    ++nattr;
-  }
-  if (cluster > 1) {
-    if (np * cpr % 2 || cpr % 2)
-      return write_err(errbuf, errlen, "MOK_CLUSTER=2 needs an even number of CTAs per rank, got %d", cpr);
-    attr[nattr].id = cudaLaunchAttributeClusterDimension;
-    attr[nattr].val.clusterDim.x = 2;
-    attr[nattr].val.clusterDim.y = 1;
-    attr[nattr].val.clusterDim.z = 1;
-    ++nattr;
-    // Co-residency of whole clusters: the GPCs must hold np * cpr / 2 pairs at once (cached per size).
-    static int cached_csmem[4][64] = {{0}}, cached_clusters[4][64] = {{0}};
-    if (cached_csmem[v][dslot] != smem) {
-      cfg.attrs = attr + nattr - 1;  // the cluster dimension alone
-      cfg.numAttrs = 1;
-      MOK_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&cached_clusters[v][dslot], kernel, &cfg));
-      cached_csmem[v][dslot] = smem;
-    }
-    if (np * cpr / 2 > cached_clusters[v][dslot])
-      return write_err(errbuf, errlen,
-                       "MOK_CLUSTER=2: %d clusters of 2 CTAs cannot be co-resident (the device holds %d at once); "
-                       "set ctas_per_rank lower or MOK_CLUSTER=1",
-                       np * cpr / 2, cached_clusters[v][dslot]);
-  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = (unsigned)nattr;
+  cfg.numAttrs = 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
@@ -504,8 +449,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   const bool keep = a->keep_x != 0;
   if (a->fp8 && (!a->w1s || !a->w2s)) return write_err(errbuf, errlen, "fp8 launch needs the weight scales w1s / w2s");
   const float** wsc = reinterpret_cast<const float**>(host + ws.wscale);
-  // fc2's weight tile rows per TMA box: a clustered launch loads the tile in halves (expert_ffn.cuh: stream_tile)
-  const int w2_box = cluster > 1 ? mok::kBN / 2 : mok::kBN;
   for (int g = 0; a->fp8 && g < np * L; ++g) {  // e4m3 weights: 1-byte maps, 128-element (= 128 B) K boxes
     const uint8_t* w1 = reinterpret_cast<const uint8_t*>(a->w1[g]);
     const uint8_t* w2 = reinterpret_cast<const uint8_t*>(a->w2[g]);
@@ -520,7 +463,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!encode_2d_u8(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBKf8, mok::kFc1ActCols,
                       errbuf, errlen, "fp8 w1 up", ge))
       return 1;
-    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, w2_box, errbuf, errlen, "fp8 w2", ge))
+    if (!encode_2d_u8(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBKf8, mok::kBN, errbuf, errlen, "fp8 w2", ge))
       return 1;
   }
   for (int g = 0; !a->fp8 && g < np * L; ++g) {  // experts of this launch's ranks (w1/w2 hold exactly these)
@@ -532,7 +475,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     if (!encode_2d(&maps[3 * g + 1], w1 + (size_t)F * a->w1_ld[g], H, F, a->w1_ld[g], mok::kBK, mok::kFc1ActCols,
                    errbuf, errlen, "w1 up", ge))
       return 1;
-    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, w2_box, errbuf, errlen, "w2", ge)) return 1;
+    if (!encode_2d(&maps[3 * g + 2], w2, F, H, a->w2_ld[g], mok::kBK, mok::kBN, errbuf, errlen, "w2", ge)) return 1;
   }
   for (int p = 0; a->fp8 && p < np; ++p) {
     const uint8_t* ring = wsp + ws.ring + (size_t)p * S * SR * H;
@@ -554,7 +497,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                    errlen, "act"))
       return 1;
   }
-  if (MOK_FP8_SRC_QUANT && a->fp8) {  // [R] e4m3 rows, then [R] scales: rank r's source-quantised copy
+  if (a->fp8) {  // [R] e4m3 rows, then [R] scales: rank r's source-quantised copy
     uint8_t** xq = reinterpret_cast<uint8_t**>(host + ws.src_ptrs);
     float** xs = reinterpret_cast<float**>(xq + a->R);
     long long row = 0;  // emulated: rank r's rows in the workspace copy
@@ -601,24 +544,12 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     // tuning knobs (README: launcher tuning knobs): a value outside the range is an error, not a clamp
     // ticket order; default bands of 16 row blocks for bf16 (each wave's expert weights stay in L2: 2.6-5.4 %
     // faster on the H200, 2026-12-05), row-block major for fp8 (bands were 1.8-2.7 % slower: its weights are
-    // half the bytes) and for 2-CTA clusters (pair_tiles.cuh walks row-block order only)
-    const int raster_default = (a->fp8 || cluster > 1) ? 0 : 16;
+    // half the bytes)
+    const int raster_default = a->fp8 ? 0 : 16;
     if (!env_choice("MOK_RASTER", raster_default, 0, 64, &P.raster))
       return write_err(errbuf, errlen, "MOK_RASTER must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER"));
-    if (cluster > 1 && P.raster != 0)  // pair_tiles.cuh: units in row-block order only
-      return write_err(errbuf, errlen, "MOK_CLUSTER=2 hands out tile pairs in row-block order: MOK_RASTER must be 0, got %d",
-                       P.raster);
-    P.cluster = cluster;
     const char* ds = getenv("MOK_DEBUG");  // timing ablations only (the -DMOK_ABLATION build reads it)
     P.debug = ds ? atoi(ds) : 0;
-    if (!env_choice("MOK_CONSUMER_LEAD_NS", 0, 0, 100000, &P.consumer_lead_ns))
-      return write_err(errbuf, errlen, "MOK_CONSUMER_LEAD_NS must be an integer in [0, 100000], got '%s'",
-                       getenv("MOK_CONSUMER_LEAD_NS"));
-    if (!env_choice("MOK_CONSUMER_SYNC", 0, 0, 1, &P.consumer_sync))  // lock-step consumers
-      return write_err(errbuf, errlen, "MOK_CONSUMER_SYNC must be 0 or 1, got '%s'", getenv("MOK_CONSUMER_SYNC"));
-    // fp8 ordered issue (fp8_kloop.cuh): only in a MOK_FP8_ORDERED=1 build, whose code cost more than order 1
-    // gained (scripts/NOTES-kernel.md, fourteenth session)
-    if (!fp8_issue_order_knob(&P.fp8_issue_order, a->fp8 != 0, errbuf, errlen)) return 1;
     P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
   }
   P.glu = a->glu;  // validated; picks the featured instance
@@ -654,10 +585,8 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);
     P.ring_scale = reinterpret_cast<float*>(wsp + ws.ring_scale);
     P.act_scale = reinterpret_cast<float*>(wsp + ws.act_scale);
-    if (MOK_FP8_SRC_QUANT) {
-      P.xq = reinterpret_cast<uint8_t* const*>(wsp + ws.src_ptrs);
-      P.xs = reinterpret_cast<float* const*>(wsp + ws.src_ptrs) + a->R;
-    }
+    P.xq = reinterpret_cast<uint8_t* const*>(wsp + ws.src_ptrs);
+    P.xs = reinterpret_cast<float* const*>(wsp + ws.src_ptrs) + a->R;
   }
   P.err = reinterpret_cast<int*>(a->err);
   P.timeline = reinterpret_cast<mok::TimelineEvent*>(a->timeline);
@@ -672,17 +601,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->timeline)
     MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
 
-  cudaError_t launched = cudaLaunchKernelEx(&cfg, kernel, P);
-  if (launched != cudaSuccess && cluster > 1 && nattr == 2) {
-    // A runtime that refuses cooperative + cluster attributes together: launch the clusters plainly. The
-    // grid still fits at once (the cluster occupancy check above, 1 CTA per SM), and every grid-wide wait
-    // has a timeout, so a grid that were not co-resident would report a timeout, not hang.
-    (void)cudaGetLastError();
-    cfg.attrs = attr + 1;
-    cfg.numAttrs = 1;
-    launched = cudaLaunchKernelEx(&cfg, kernel, P);
-  }
-  MOK_CUDA_CHECK(launched);
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -10,7 +10,7 @@
 //   done : every compute SM of rank r has pushed its expert outputs (to every home rank) -> the home
 //          rank may run the top-k weighted sum. It also proves r pulled everything it needed, so a
 //          rank whose kernel has ended may overwrite its x (and its source-quantised copy) for the next call.
-// and, in the FP8 forward of a MOK_FP8_SRC_QUANT=1 build, a third:
+// and, in the FP8 forward, a third:
 //   source-quantised: rank r has written its tokens' e4m3 copy (xq / xs in its symmetric region) -> peers
 //          may pull e4m3 rows from it. Signalled after the grid barrier that follows the quantisation pass,
 //          waited for only after the schedule, so it normally costs no wait.
@@ -63,7 +63,7 @@ __device__ bool wait_peers(const Params& P, int self, int kind, int phase) {
   return true;
 }
 
-// Per-rank FP8 launch of a MOK_FP8_SRC_QUANT=1 build, every CTA before its first pull: every peer's e4m3
+// Per-rank FP8 launch, every CTA before its first pull: every peer's e4m3
 // copy is written (its source-quantised signal). Thread 0 waits, the CTA follows; false on a timeout (recorded,
 // naming the peer) or an abort.
 __device__ __forceinline__ bool peers_quantised(const Params& P, int* s_flag) {

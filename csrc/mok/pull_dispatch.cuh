@@ -2,9 +2,10 @@
 // copy (pull) the layout rows' x vectors from the source ranks' x buffers into the slot, then publish
 // the slot's ready counter. In emulated EP the source pointers come from the per-rank table; with
 // real EP they would be NVLink peer pointers (symmetric memory), and the copy is a remote read.
-// FP8 kernel (kFp8): the pulled bf16 row is quantised on the way into the slot (fp8_quant.cuh), so
-// no separate quantise kernel and no extra HBM round trip; a MOK_FP8_SRC_QUANT=1 build quantises each token
-// once at its source instead (quantize_sources) and pulls e4m3 rows.
+// FP8 kernel (kFp8): each token is quantised once, at its source, in the kernel's first phase
+// (quantize_sources), and the pull copies e4m3 rows: half the bytes of the bf16 rows, one quantisation per token
+// instead of one per routed copy, and in real EP half the NVLink bytes of the dispatch (as DeepEP's FP8
+// dispatch). The same 1 x 128 blocks of the same rows as quantising each copy: the same bits.
 //
 // Two placements of the pull (kernel.comm_sms):
 //   comm_sms > 0  dedicated comm SMs pull every minibatch (dispatch_role) and then join the final sum;
@@ -59,7 +60,7 @@ constexpr int kInSmPullUnroll = kFp8 ? 2 : 4;
 constexpr int kInSmPullWarps = 3;      // warps 1-3 of the producer warpgroup
 constexpr int kInSmPullBarrier = 4;    // their named barrier (1: consumers, 2-3: one consumer warpgroup)
 
-// One source-quantised e4m3 row (H bytes) and its H / 128 scales (MOK_FP8_SRC_QUANT=1), read through L2
+// One source-quantised e4m3 row (H bytes) and its H / 128 scales, read through L2
 // (ld.cg): quantize_sources wrote them in this call (this launch, or a peer rank's launch), so no L1 line of
 // them may be trusted. Scale j goes to dst_scale[j * scale_step] (common.cuh: fp8_scale_step).
 template <int U>
@@ -71,10 +72,9 @@ __device__ __forceinline__ void copy_row_e4m3(uint8_t* __restrict__ dst, float* 
   for (int j = lane; j < H / kScaleBlock; j += 32) dst_scale[j * scale_step] = __ldcg(src_scale + j);
 }
 
-// MOK_FP8_SRC_QUANT=1: every token of the ranks in this launch quantised once into its rank's copy P.xq[q] /
-// P.xs[q] (all warps of all CTAs, first thing after the start meet; grid barrier 1 orders these writes before
-// this launch's pulls, and a per-rank launch signals its peers after that barrier: peers_quantised). The pulls
-// then copy e4m3 rows: the same 1 x 128 blocks of the same rows as quantize_pull_row would produce per copy.
+// Every token of the ranks in this launch quantised once into its rank's copy P.xq[q] / P.xs[q] (all warps of
+// all CTAs, first thing after the start meet; grid barrier 1 orders these writes before this launch's pulls,
+// and a per-rank launch signals its peers after that barrier: peers_quantised).
 template <int U>
 __device__ __forceinline__ void quantize_sources(const Params& P) {
   const int lane = threadIdx.x & 31;
@@ -102,17 +102,14 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
   for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {  // processing-order rows
     const int lr = layout_row<kFeat>(P, q, off, row);
     const int2 src = layout[lr];
-    const __nv_bfloat16* sp = P.ranks[src.x].x + (long long)(src.y / P.K) * H;
     const long long r = slot_row(P, q, i, a, row, lr);
-    if constexpr (kFp8 && MOK_FP8_SRC_QUANT) {
-      const long long t = src.y / P.K;  // the token's row of its rank's source-quantised copy
+    if constexpr (kFp8) {
+      const long long t = src.y / P.K;  // the token's row of its rank's source-quantised copy (quantize_sources)
       copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
                        P.xq[src.x] + t * H, P.xs[src.x] + t * (H / kScaleBlock), H, lane, fp8_scale_step(P));
-    } else if constexpr (kFp8)
-      quantize_pull_row<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
-                           sp, H, lane, fp8_scale_step(P));
-    else
-      copy_row_bf16<U>(P.ring + r * H, sp, H, lane);
+    } else {
+      copy_row_bf16<U>(P.ring + r * H, P.ranks[src.x].x + (long long)(src.y / P.K) * H, H, lane);
+    }
   }
 }
 
@@ -182,10 +179,8 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
 // except through the ready counters, which earlier tickets' tiles fill, so there is no cycle.
 // s_flag: one int of smem the three warps share. The CTA's index is recomputed here, not passed down:
 // a value kept live across the consumers' code costs them a spilled register.
-// pulls_done() runs once the pulls are over (every minibatch published, or an abort), before the token
-// chunks' sums (2-CTA clusters: the warps' arrival on the cluster barrier, expert_ffn.cuh: compute_role).
-template <bool kFp8, int kFeat, class Done>
-__device__ void insm_pull_role(const Params& P, int q, int* s_flag, Done pulls_done) {
+template <bool kFp8, int kFeat>
+__device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
   const int local = (int)(blockIdx.x % (unsigned)P.ctas_per_rank);
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
   const int nmb = num_minibatches(N, P.minibatch);
@@ -197,10 +192,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag, Done pulls_d
     if (i >= P.ring_slots) {
       if (leader) *s_flag = wait_slot_free(P, q, i) ? 1 : 0;
       named_bar_sync(kInSmPullBarrier, kThreadsPulling);
-      if (!*s_flag) {
-        pulls_done();
-        return;
-      }
+      if (!*s_flag) return;
     }
     MOK_PROGRESS(0x09000000u | (unsigned)(i & 0xFFFFFF));  // pulling minibatch i
     const unsigned long long t0 = globaltimer_ns();
@@ -212,7 +204,6 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag, Done pulls_d
       publish_pulled(P, q, i);
     }
   }
-  pulls_done();
   // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
   if (feat_chunks<kFeat>(P) && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
 }

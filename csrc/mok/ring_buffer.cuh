@@ -34,8 +34,7 @@
 namespace mok {
 
 struct TileInfo {
-  int kind;      // 0 = exit, 1 = fc1, 2 = fc2, 3 = pass (2-CTA clusters: this CTA has no tile in the pair's
-                 // unit; its nk stages go round without data, pair_tiles.cuh)
+  int kind;      // 0 = exit, 1 = fc1, 2 = fc2
   int mb;        // minibatch
   int slot;
   int round;

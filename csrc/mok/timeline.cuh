@@ -7,8 +7,8 @@
 namespace mok {
 
 enum TimelineKind : unsigned {
-  kTlSchedule = 0,  // kernel entry -> schedule done (incl. the peer start wait of per-rank launches and, in a
-                    // MOK_FP8_SRC_QUANT=1 build's FP8 forward, the source quantisation pass)
+  kTlSchedule = 0,  // kernel entry -> schedule done (incl. the peer start wait of per-rank launches and, in the
+                    // FP8 forward, the source quantisation pass)
   kTlDispatch = 1,  // pull dispatch of one minibatch into its ring slot (aux = minibatch)
   kTlFc1 = 2,       // one fc1 + SwiGLU tile (aux = minibatch)
   kTlFc2 = 3,       // one fc2 tile incl. its push-combine stores (aux = minibatch)

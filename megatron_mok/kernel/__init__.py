@@ -38,10 +38,6 @@ __all__ = [
     "check_last_error",
     "check_pending_errors",
     "compile_only",
-    "fp8_issue_order_built",
-    "fp8_src_quant_built",
-    "fp8_scale_kmajor_built",
-    "library_build",
     "is_available",
     "mok_forward_emulated",
     "mok_forward_rank",
@@ -59,34 +55,6 @@ def compile_only(output=None, verbose: bool = False):
     from .build import compile_only as _c
 
     return _c(output=output, verbose=verbose)
-
-
-def fp8_issue_order_built() -> bool:
-    """Whether the loaded library carries the FP8 issue-order code (built with MOK_FP8_ORDERED=1), so that
-    MOK_FP8_ISSUE_ORDER 1 / 2 launch; the default build leaves it out (order 0 only)."""
-    return bool(_load_library().mok_fp8_ordered_build())
-
-
-def fp8_src_quant_built() -> bool:
-    """Whether the loaded library's FP8 forward quantises each token once at its source (built with
-    MOK_FP8_SRC_QUANT=1) instead of every pulled copy."""
-    return bool(_load_library().mok_fp8_src_quant_build())
-
-
-def fp8_scale_kmajor_built() -> bool:
-    """Whether the loaded library's FP8 forward keeps its activation scales K-block-major ([block][row]: built with
-    MOK_FP8_SCALE_KMAJOR=1), so a warp's scale load in the K loop reads one sector instead of eight."""
-    return bool(_load_library().mok_fp8_scale_kmajor_build())
-
-
-def library_build() -> dict[str, int]:
-    """The build-time switches the loaded library reports itself (the ones its code can answer for), keyed as
-    :func:`megatron_mok.kernel.build.build_choices` keys the environment's."""
-    return {
-        "MOK_FP8_ORDERED": int(fp8_issue_order_built()),
-        "MOK_FP8_SRC_QUANT": int(fp8_src_quant_built()),
-        "MOK_FP8_SCALE_KMAJOR": int(fp8_scale_kmajor_built()),
-    }
 
 
 def _load_library():

@@ -61,93 +61,10 @@ def cutlass_include() -> Path | None:
     return inc if (inc / "cute" / "arch" / "mma_sm90_gmma.hpp").is_file() else None
 
 
-# Build-time choices of the FP8 forward / dgrad kernels (csrc/mok/fp8_kloop.cuh, common.cuh). Each value is a
-# library of its own (the flags are in the cache key): ptxas serialises every wgmma of a kernel that holds both
-# K loops behind a run-time branch (C7515), and the issue-order code costs time even when switched off at run
-# time (scripts/NOTES-kernel.md, thirteenth session).
-#   MOK_FP8_KLOOP    0: one drained m64n256 group per K block; 2: pipelined 128-column halves, drained
-#                    every 2 blocks (same bits)
-#   MOK_FP8_ORDERED  1: the issue-order barriers compiled in (MOK_FP8_ISSUE_ORDER picks 0 / 1 / 2 per launch,
-#                    default 1); 0 (default): left out (order 0 only; the code cost time even when switched off)
-#   MOK_FP8_SRC_QUANT 1 (default): the FP8 forward quantises each token once at its source and pulls e4m3 rows
-#                    (same bits); 0: every pulled copy is quantised
-#   MOK_FP8_SCALE_KMAJOR 1 (default): the FP8 forward keeps its activation scales K-block-major ([block][row]), so a
-#                    warp's scale load in the K loop reads one sector instead of eight (same bits); 0: row-major.
-#                    Both on: the FP8 forward 3.7 % faster on an H100 (Kimi-K2 slice; either alone: 0 % / 3 % slower,
-#                    scripts/NOTES-kernel.md, eighteenth session)
-FP8_KLOOP_DEFAULT = 0
-FP8_KLOOP_CHOICES = (0, 2)
-FP8_ORDERED_DEFAULT = 0
-FP8_ORDERED_CHOICES = (0, 1)
-FP8_SRC_QUANT_DEFAULT = 1
-FP8_SRC_QUANT_CHOICES = (0, 1)
-FP8_SCALE_KMAJOR_DEFAULT = 1
-FP8_SCALE_KMAJOR_CHOICES = (0, 1)
-
-
-def _build_choice(name: str, default: int, choices: tuple[int, ...], meaning: str) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        k = int(v)
-    except ValueError:
-        k = -1
-    if k not in choices or str(k) != v.strip():
-        raise BuildError(f"{name} must be one of {', '.join(map(str, choices))} ({meaning}), got {v!r}")
-    return k
-
-
-def fp8_kloop() -> int:
-    """The FP8 K loop to build: ``MOK_FP8_KLOOP`` (one of FP8_KLOOP_CHOICES) or FP8_KLOOP_DEFAULT."""
-    return _build_choice(
-        "MOK_FP8_KLOOP",
-        FP8_KLOOP_DEFAULT,
-        FP8_KLOOP_CHOICES,
-        "0: one drained group per K block, 2: pipelined halves",
-    )
-
-
-def fp8_ordered() -> int:
-    """Whether to build the FP8 issue-order code: ``MOK_FP8_ORDERED`` (0 / 1) or FP8_ORDERED_DEFAULT."""
-    return _build_choice(
-        "MOK_FP8_ORDERED",
-        FP8_ORDERED_DEFAULT,
-        FP8_ORDERED_CHOICES,
-        "1: issue-order barriers compiled in, 0: left out",
-    )
-
-
-def fp8_src_quant() -> int:
-    """Whether the FP8 forward quantises each token at its source: ``MOK_FP8_SRC_QUANT`` (0 / 1) or the default."""
-    return _build_choice(
-        "MOK_FP8_SRC_QUANT",
-        FP8_SRC_QUANT_DEFAULT,
-        FP8_SRC_QUANT_CHOICES,
-        "1: each token quantised once at its source, 0: every pulled copy quantised",
-    )
-
-
-def fp8_scale_kmajor() -> int:
-    """Whether the FP8 forward keeps its activation scales K-block-major: ``MOK_FP8_SCALE_KMAJOR`` (0 / 1) or the
-    default."""
-    return _build_choice(
-        "MOK_FP8_SCALE_KMAJOR",
-        FP8_SCALE_KMAJOR_DEFAULT,
-        FP8_SCALE_KMAJOR_CHOICES,
-        "1: activation scales [K block][row], 0: [row][K block]",
-    )
-
-
 def build_choices() -> dict[str, int]:
-    """The build-time switches the library is compiled with (each set of values is a library of its own)."""
-    return {
-        "MOK_ABLATION": int(os.environ.get("MOK_ABLATION") == "1"),
-        "MOK_FP8_KLOOP": fp8_kloop(),
-        "MOK_FP8_ORDERED": fp8_ordered(),
-        "MOK_FP8_SRC_QUANT": fp8_src_quant(),
-        "MOK_FP8_SCALE_KMAJOR": fp8_scale_kmajor(),
-    }
+    """The build-time switches the library is compiled with: only the timing-ablation build (``MOK_ABLATION=1``,
+    csrc/mok/common.cuh), which the hang-diagnosis and timeline tools use."""
+    return {"MOK_ABLATION": int(os.environ.get("MOK_ABLATION") == "1")}
 
 
 def nvcc_flags(include: Path, src: Path) -> list[str]:
@@ -161,10 +78,8 @@ def nvcc_flags(include: Path, src: Path) -> list[str]:
         f"-I{include}",
         f"-I{src}",
     ]
-    choices = build_choices()
-    if choices.pop("MOK_ABLATION"):  # timing-ablation variant (see csrc/mok/common.cuh)
+    if build_choices()["MOK_ABLATION"]:  # timing-ablation variant (see csrc/mok/common.cuh)
         flags.append("-DMOK_ABLATION")
-    flags += [f"-D{name}={value}" for name, value in choices.items()]
     if Path("/opt/gcc").exists() and Path("/usr/bin/g++").exists():
         flags += ["-ccbin", "/usr/bin/g++"]
     return flags

@@ -8,7 +8,6 @@ through a per-rank pointer table (what peer pointers of torch symmetric memory w
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ _PHASES = {
     9: "peer compute-done signal (a peer rank has not finished its experts)",
     10: "peer token count",
     12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, MOK_MACROBATCHES)",
-    13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy, MOK_FP8_SRC_QUANT=1)",
+    13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy for the FP8 forward)",
 }
 
 
@@ -88,7 +87,7 @@ class _Args(ctypes.Structure):
         ("keep_x", ctypes.c_ulonglong),
         ("keep_act", ctypes.c_ulonglong),
         ("keep_rows", ctypes.c_longlong),
-        # FP8 per-rank launch of a MOK_FP8_SRC_QUANT=1 build: every rank's source-quantised copy (peer_ep.py)
+        # FP8 per-rank launch: every rank's source-quantised copy (peer_ep.py)
         ("xq", ctypes.c_void_p),
         ("xs", ctypes.c_void_p),
         # the SwiGLU variant (clamp / offset; cargs.bind_glu)
@@ -179,12 +178,6 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
         lib.mok_device_info.restype = ctypes.c_int
         lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
         lib.mok_version.restype = ctypes.c_char_p
-        lib.mok_fp8_ordered_build.restype = ctypes.c_int
-        lib.mok_fp8_ordered_build.argtypes = []
-        lib.mok_fp8_src_quant_build.restype = ctypes.c_int
-        lib.mok_fp8_src_quant_build.argtypes = []
-        lib.mok_fp8_scale_kmajor_build.restype = ctypes.c_int
-        lib.mok_fp8_scale_kmajor_build.argtypes = []
         _lib = lib
         return lib
 
@@ -228,16 +221,8 @@ def capture_check(check, who: str):
 
 def auto_ctas_per_rank(n_sms: int, parts: int) -> int:
     """CTAs per rank partition when the caller leaves it to the launcher (mok_forward.cu: forward_launch): all
-    SMs split evenly, rounded down to whole 2-CTA clusters under MOK_CLUSTER=2 (the launcher rejects any other
-    value of the knob itself)."""
-    cpr = n_sms // parts
-    try:  # int() takes what the launcher's strtol does (" 2", "+2", "02")
-        cluster = int(os.environ.get("MOK_CLUSTER", "1"))
-    except ValueError:
-        cluster = 1
-    if cluster == 2:
-        cpr -= cpr % 2
-    return cpr
+    SMs split evenly."""
+    return n_sms // parts
 
 
 def launch_workspace(cache: dict[int, torch.Tensor], dev: int, nbytes: int, device) -> torch.Tensor:

@@ -12,7 +12,7 @@ What peers touch lives in one symmetric allocation per rank (:class:`PeerRegion`
   signal   [4, 72]      uint32 start / compute-done / token-count / source-quantised slots, written with
                                the call's epoch
   xq, xs   [cap, H] e4m3, [cap, H / 128] fp32 (``fp8_sources`` regions only): the home rank's tokens
-                               quantised once by its FP8 launch of a MOK_FP8_SRC_QUANT=1 build; owners pull
+                               quantised once by its FP8 launch; owners pull
                                e4m3 rows from there (half the bytes of the bf16 rows)
 
 Peer pointers come from torch symmetric memory (``symm_mem.empty`` + ``rendezvous``:
@@ -73,7 +73,7 @@ class PeerRegion:
     grad_out_off: int
     signal_off: int
     nbytes: int
-    # the FP8 forward's source-quantised copy (MOK_FP8_SRC_QUANT=1 builds); offsets -1 in a region without it
+    # the FP8 forward's source-quantised copy; offsets -1 in a region without it
     fp8_sources: bool = False
     xq_off: int = -1
     xs_off: int = -1
@@ -164,9 +164,8 @@ class PeerBuffers:
     ) -> PeerBuffers:
         """Allocate this rank's region in torch symmetric memory and exchange peer pointers
         (collective over ``group``; the signal pads start at zero on every rank). ``fp8_sources``: room for
-        the FP8 forward's source-quantised copy (None: when the loaded library's FP8 forward needs it,
-        :func:`megatron_mok.kernel.fp8_src_quant_built`, and H a multiple of 128; every rank must pass the
-        same)."""
+        the FP8 forward's source-quantised copy (None: when H is a multiple of 128, so FP8 can run at all; every
+        rank must pass the same)."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -196,13 +195,11 @@ class PeerBuffers:
 
 
 def _fp8_sources(asked: bool | None, hidden: int) -> bool:
-    """A region's fp8_sources: as asked, or (None) when the loaded library's FP8 forward pulls source-quantised
-    rows (MOK_FP8_SRC_QUANT=1) and H allows FP8 at all (a multiple of 128: bf16-only widths get no copy)."""
+    """A region's fp8_sources: as asked, or (None) when H allows FP8 at all (a multiple of 128: bf16-only widths
+    get no copy); the FP8 forward pulls each token's source-quantised copy."""
     if asked is not None:
         return asked
-    from . import fp8_src_quant_built
-
-    return hidden % SCALE_BLOCK == 0 and fp8_src_quant_built()
+    return hidden % SCALE_BLOCK == 0
 
 
 def _fail(msg: str) -> None:
@@ -279,8 +276,6 @@ def mok_forward_rank(
     keep: optional ``KeptRows`` with one part (rows: the owner capacity, as saved_h's): this rank's expert
     input and SwiGLU output rows stay there, for ``mok_backward_rank(..., kept=keep)`` (bf16 only).
     """
-    from . import fp8_src_quant_built
-
     refuse_capture("mok_forward_rank", "each launch meets its peers under a new epoch, which a replay would repeat")
     R, rank, reg = bufs.world, bufs.rank, bufs.region
     device = bufs.x.device
@@ -336,12 +331,9 @@ def mok_forward_rank(
     set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device, dense=dense)
     bind_glu(args, glu)  # the SwiGLU variant (clamp / offset); None: plain
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
-    if fp8 is not None and fp8_src_quant_built():  # this rank quantises its tokens once, peers pull them
+    if fp8 is not None:  # this rank quantises its tokens once, peers pull them
         if not reg.fp8_sources:
-            _fail(
-                "this library's FP8 forward quantises each token at its source (built with MOK_FP8_SRC_QUANT=1): "
-                "build the PeerBuffers with fp8_sources=True"
-            )
+            _fail("the FP8 forward quantises each token at its source: build the PeerBuffers with fp8_sources=True")
         args.xq = arr([bufs.peer(r, reg.xq_off) for r in range(R)])
         args.xs = arr([bufs.peer(r, reg.xs_off) for r in range(R)])
     if saved_h is not None:

@@ -150,52 +150,6 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case, monkeypatch):
         kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
 
 
-@pytest.mark.parametrize("comm", [2, 0])
-def test_fp8_consumer_lead_gives_identical_results(kernel, comm, monkeypatch):
-    """A start offset of the second consumer warpgroup (MOK_CONSUMER_LEAD_NS), lock-step consumers
-    (MOK_CONSUMER_SYNC) or the order of the two warpgroups' groups (MOK_FP8_ISSUE_ORDER 0 / 1 / 2, also
-    with both others) change only timing. The reference runs unordered (in a build with the issue-order
-    code order 1 is the default, so an unset knob would compare order 1 with itself). Orders 1 / 2 need
-    that build (MOK_FP8_ORDERED=1; run_gpu_suite.sh runs this file in one a second time); the default
-    build refuses them."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
-
-    x, idx, wts, w1, w2 = _inputs(2, 3, 512, 384, 4, [700, 301], "skewed", seed=77)
-    q8 = quantize_expert_weights(w1, w2)
-    kw = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=128, fp8=q8)
-    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", "0")
-    o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-    monkeypatch.delenv("MOK_FP8_ISSUE_ORDER")
-    envs: list[dict[str, str]] = [
-        {"MOK_CONSUMER_LEAD_NS": "1500", "MOK_FP8_ISSUE_ORDER": "0"},
-        {"MOK_CONSUMER_SYNC": "1", "MOK_FP8_ISSUE_ORDER": "0"},
-    ]
-    if kernel.fp8_issue_order_built():
-        envs += [
-            {},  # this build's default, order 1 (in the default build unset is order 0, the reference itself)
-            {"MOK_FP8_ISSUE_ORDER": "1"},
-            {"MOK_FP8_ISSUE_ORDER": "2"},
-            {"MOK_FP8_ISSUE_ORDER": "1", "MOK_CONSUMER_SYNC": "1", "MOK_CONSUMER_LEAD_NS": "1500"},
-            {"MOK_FP8_ISSUE_ORDER": "2", "MOK_CONSUMER_SYNC": "1", "MOK_CONSUMER_LEAD_NS": "1500"},
-        ]
-    else:
-        from megatron_mok.kernel.errors import MokKernelError
-
-        for order in ("1", "2"):
-            monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", order)
-            with pytest.raises(MokKernelError, match=f"MOK_FP8_ISSUE_ORDER={order} needs the issue-order code"):
-                kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-        monkeypatch.delenv("MOK_FP8_ISSUE_ORDER")
-    for env in envs:
-        for key, val in env.items():
-            monkeypatch.setenv(key, val)
-        o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-        for key in env:
-            monkeypatch.delenv(key)
-        for r in range(2):
-            assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r]), f"{env}, rank {r}"
-
-
 def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
     """With fp8 weights the bf16 masters give only the sizes: they are neither read by the kernel nor checked
     per tensor on every call (host time); zeroed, column-strided masters give the same bits."""
@@ -212,20 +166,6 @@ def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
         assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r])
     with pytest.raises(ValueError, match=r"w1\[1\] and w2\[1\] must each hold 2 expert weights"):
         kernel.mok_forward_emulated(x, idx, wts, w1, [w2[0], w2[1][:1]], **kw)
-
-
-@pytest.mark.parametrize("bad", ["3", "-1", "on", "1x", ""])
-def test_fp8_issue_order_knob_rejects_bad_values(kernel, bad, monkeypatch):
-    """A mistyped MOK_FP8_ISSUE_ORDER is a launch error naming the knob, not a silent default."""
-    from megatron_mok.kernel.errors import MokKernelError
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
-
-    x, idx, wts, w1, w2 = _inputs(1, 2, 256, 256, 2, [64], "uniform", seed=3)
-    monkeypatch.setenv("MOK_FP8_ISSUE_ORDER", bad)
-    with pytest.raises(MokKernelError, match="MOK_FP8_ISSUE_ORDER must be 0"):
-        kernel.mok_forward_emulated(
-            x, idx, wts, w1, w2, fp8=quantize_expert_weights(w1, w2), comm_sms=2, ring_slots=2, minibatch_tokens=64
-        )
 
 
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):

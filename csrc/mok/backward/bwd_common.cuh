@@ -40,7 +40,6 @@ struct BwdParams {
   unsigned* ctr;        // == base.counters
   int nt1, nt2;         // stage-1 tiles (128 ffn cols) and stage-2 tiles (256 hidden cols) per row block
   int t1, tickets_per_mb;
-  int tma_store;        // saved-h stage-1 epilogue: TMA stores of dh (1) or generic copies via smem (0)
   int defer_home;       // 1: router grad and grad_x are left to the wgrad kernel (home_reduce.cuh)
   int x_kept;           // 1: xl holds the forward's kept expert input rows: pull grad_out only
   int act_kept;         // 1: act holds the forward's kept SwiGLU output (saved-h path): no act rows here

@@ -56,13 +56,12 @@ struct BSmem {
   uint64_t* empty;
   uint64_t* info_full;
   uint64_t* info_empty;
-  uint64_t* issued;  // fp8 K loop: the first consumer warpgroup's group issued on stage s (fp8_kloop.cuh)
   BTile* info;
   int* off;
 };
 
 __host__ __device__ constexpr int bwd_compute_smem_bytes() {
-  return kStages * kStageBytes + (3 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
+  return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(BTile) + (MOK_MAX_LOCAL_EXPERTS + 1) * 4 +
          64;
 }
 
@@ -73,8 +72,7 @@ __device__ __forceinline__ BSmem bwd_carve(uint8_t* smem) {
   s.empty = s.full + kStages;
   s.info_full = s.empty + kStages;
   s.info_empty = s.info_full + 2;
-  s.issued = s.info_empty + 2;
-  s.info = reinterpret_cast<BTile*>(s.issued + kStages);
+  s.info = reinterpret_cast<BTile*>(s.info_empty + 2);
   s.off = reinterpret_cast<int*>(s.info + 2);
   return s;
 }
@@ -487,7 +485,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       const float* sb1 = 2 * ti.nt + 1 < nb ? ws + (long long)(2 * ti.nt + 1) * nk : nullptr;
       ffn_kloop_fp8(B, q, sm, wgc, nk, sa0, sa1, 1, sb0, sb1, acc, st, ph, [&](int kb) {
         if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      }, fp8_issue_order(B) ? sm.issued : nullptr, fp8_issue_order(B) == 2);
+      });
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(2 * F, kBK);
     int prev = 0;
@@ -533,12 +531,6 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
         if (++st == kStages) { st = 0; ph ^= 1u; }
         mbar_wait(B, &sm.full[sg], pg, q, 4);
         mbar_wait(B, &sm.full[su], pu, q, 4);
-        if (kFp8 && fp8_issue_order(B) && wgc == 0 && (lt & 31) == 0) {
-          // the ordered K loop's `issued` barriers count every use of a stage (their phase is the stage
-          // ring's, fp8_kloop.cuh): these two stages carry g / u, not a K block, but move them on too
-          Barrier::arrive(&sm.issued[sg]);
-          Barrier::arrive(&sm.issued[su]);
-        }
         uint8_t* gsm = sm.stages + sg * kStageBytes;
         uint8_t* usm = sm.stages + su * kStageBytes;
 #pragma unroll
@@ -601,7 +593,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
             }
           }
         }
-        if (wg_rows == 64 && P.tma_store) {
+        if (wg_rows == 64) {
           fence_view_async_shared();       // this thread's smem writes -> visible to the TMA store
           named_bar_sync(2 + wgc, 128);
           if (lt == 0) {
@@ -640,7 +632,7 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       }
       // dh must be globally visible before s1_done: TMA stores complete, generic stores fenced; both
       // are read next by TMA (stage-2 tiles, maybe other SMs)
-      if (wg_rows == 64 && P.tma_store && lt == 0) tma_store_wait_all();
+      if (wg_rows == 64 && lt == 0) tma_store_wait_all();
       fence_proxy_async_global();
       named_bar_sync(1, 256);
       if (threadIdx.x == 128) {
@@ -665,7 +657,6 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&sm.full[s], 1);
       Barrier::init(&sm.empty[s], 2);
-      Barrier::init(&sm.issued[s], 4);  // one arrival per warp of the first consumer warpgroup
     }
     for (int i = 0; i < 2; ++i) {
       Barrier::init(&sm.info_full[i], 1);
