@@ -7,10 +7,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from . import env
 from .reference import ReferenceBackend
 
 logger = logging.getLogger(__name__)
@@ -23,10 +23,10 @@ class MokBackendError(RuntimeError):
 
 
 def requested_backend() -> str:
-    value = os.environ.get("MOK_BACKEND", "auto").strip().lower()
-    if value not in _CHOICES:
-        raise MokBackendError(f"MOK_BACKEND={value!r} is not one of {_CHOICES}")
-    return value
+    try:
+        return env.backend()
+    except env.MokEnvError as exc:
+        raise MokBackendError(str(exc)) from None
 
 
 def kernel_unavailable_reason(
@@ -71,6 +71,7 @@ def kernel_backend(
     owner_capacity_factor: float = 0.0,
     dtype: str = "bf16",
     backward_minibatch_tokens: int = 0,
+    tuning=None,
 ):
     """One KernelBackend per setting, shared by every MoK layer of the process: at EP > 1 it owns the
     symmetric-memory PeerBuffers (allocated collectively once, not per call) whose signal epochs every
@@ -84,6 +85,7 @@ def kernel_backend(
         float(owner_capacity_factor),
         dtype,
         int(backward_minibatch_tokens),
+        tuning,
     )
     b = _KERNEL_BACKENDS.get(key)
     if b is None:
@@ -94,6 +96,7 @@ def kernel_backend(
             owner_capacity_factor=owner_capacity_factor,
             dtype=dtype,
             backward_minibatch_tokens=backward_minibatch_tokens,
+            tuning=tuning,
         )
     return b
 
@@ -108,7 +111,9 @@ def select_backend(
     backward_comm_sms: int = 0,
     owner_capacity_factor: float = 0.0,
     backward_minibatch_tokens: int = 0,
+    tuning=None,
 ):
+    """The backend of one layer call; ``tuning``: the config's ``kernel.cargs.ForwardTuning`` (None: defaults)."""
     want = requested_backend()
     if dtype != "bf16":
         # only the kernel has the FP8 recipe: a reference (bf16 / fp32) run instead would silently change
@@ -124,14 +129,14 @@ def select_backend(
                 f"here: {reason}; set kernel.dtype: bf16 in the MoK config"
             )
         return kernel_backend(
-            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, dtype, backward_minibatch_tokens
+            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, dtype, backward_minibatch_tokens, tuning
         )
     if want == "reference":
         return ReferenceBackend()
     reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
     if reason is None:
         return kernel_backend(
-            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, "bf16", backward_minibatch_tokens
+            comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, "bf16", backward_minibatch_tokens, tuning
         )
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")

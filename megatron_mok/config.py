@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from . import env
+
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -99,6 +101,24 @@ class KernelSpec:
     #: routed row of every rank on one owner). A routing that exceeds it is a clear kernel error, never
     #: a silent drop; at EP 8 a factor of 2 needs a quarter of the worst case's memory.
     owner_capacity_factor: float = 0.0
+    #: Ticket order of the forward's GEMM stages: 0 row-block major, 1 n-tile major, G in [2, 64] bands of G row
+    #: blocks (a wave's expert weights stay in L2). null: the kernel's measured default, 16 for bf16 (2.6-5.4 %
+    #: faster than 0 on the H200) and 0 for fp8 (bands were 1.8-2.7 % slower: its weights are half the bytes).
+    #: Changes no result bit.
+    tile_raster: int | None = None
+    #: EP 1: the forward processes the tokens in this many chunks (1-64), so the final top-k sums of the first
+    #: ones overlap the later GEMMs. Changes no result bit.
+    macrobatches: int = 1
+    #: fp8: SiLU through tanh.approx in the fc1 epilogue (one special-function op instead of two; it moves a
+    #: few e4m3 roundings of the SwiGLU output). Off until it is timed.
+    fast_silu: bool = False
+
+    @property
+    def forward_tuning(self):
+        """The forward kernel's tuning, as its launches take it (``kernel.cargs.ForwardTuning``)."""
+        from .kernel.cargs import ForwardTuning
+
+        return ForwardTuning(tile_raster=self.tile_raster, macrobatches=self.macrobatches, fast_silu=self.fast_silu)
 
     @property
     def compute_sms(self) -> int:
@@ -180,7 +200,9 @@ _MODEL_KEYS: dict[str, type | tuple[type, ...]] = {
 _MODEL_REQUIRED = ("name", "hidden_size", "moe_ffn_hidden_size", "num_moe_experts", "moe_router_topk")
 _KERNEL_KEYS: dict[str, type | tuple[type, ...]] = {
     f.name: (
-        (int, float) if f.type in ("float",) else {"int": int, "str": str, "bool": bool}.get(str(f.type), object)  # type: ignore[dict-item]
+        (int, float)
+        if f.type in ("float",)
+        else {"int": int, "str": str, "bool": bool, "int | None": (int, type(None))}.get(str(f.type), object)  # type: ignore[dict-item]
     )
     for f in dataclasses.fields(KernelSpec)
 }
@@ -280,6 +302,12 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
             raise bad(key, f"must be a positive power of two, got {v}")
     if spec.timeout_ms <= 0:
         raise bad("timeout_ms", f"must be positive, got {spec.timeout_ms}")
+    if spec.tile_raster is not None and not 0 <= spec.tile_raster <= 64:
+        raise bad(
+            "tile_raster", f"must be null (the measured default) or an integer in [0, 64], got {spec.tile_raster}"
+        )
+    if not 1 <= spec.macrobatches <= 64:
+        raise bad("macrobatches", f"must be an integer in [1, 64], got {spec.macrobatches}")
     if spec.owner_capacity_factor != 0 and not spec.owner_capacity_factor >= 1.0:
         raise bad(
             "owner_capacity_factor",
@@ -420,7 +448,6 @@ def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
     :func:`set_active_config`, Megatron-LM's ``--mok-config``, ``$MOK_CONFIG``, the bundled YAML whose model section matches
     ``tc`` exactly, else one derived from the model sizes (logged, never silent).
     """
-    import os
 
     explicit = getattr(tc, "mok_config", None)
     if explicit is None:
@@ -429,8 +456,8 @@ def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
         from .registration import megatron_args_mok_config
 
         explicit = megatron_args_mok_config()
-    if explicit is None and os.environ.get("MOK_CONFIG"):
-        explicit = os.environ["MOK_CONFIG"]
+    if explicit is None:
+        explicit = env.config_name()
     if isinstance(explicit, (str, Path)):
         explicit = load_config(explicit)
     if explicit is not None:

@@ -179,6 +179,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             backward_comm_sms=k.bwd_comm_sms,
             owner_capacity_factor=k.owner_capacity_factor,
             backward_minibatch_tokens=k.bwd_minibatch_tokens,
+            tuning=k.forward_tuning,
         )
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan

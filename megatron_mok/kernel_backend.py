@@ -21,10 +21,10 @@ signal pads inside the kernels. Every EP rank must pass the same token count.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from . import env
 from .layout import compute_layout, num_minibatches
 from .reference import MokPlan, mok_backward, pull_into
 
@@ -49,6 +49,7 @@ class KernelBackend:
         owner_capacity_factor: float = 0.0,
         dtype: str = "bf16",
         backward_minibatch_tokens: int = 0,
+        tuning=None,
     ) -> None:
         if dtype not in ("bf16", "fp8"):
             raise ValueError(f"KernelBackend dtype must be 'bf16' or 'fp8', got {dtype!r}")
@@ -64,10 +65,11 @@ class KernelBackend:
         # the backward kernel's minibatch (config kernel.backward_minibatch_tokens); 0: the forward's ring
         self.backward_minibatch_tokens = backward_minibatch_tokens
         self.timeout_ms = timeout_ms
+        self.tuning = tuning  # kernel.cargs.ForwardTuning of the config (None: the defaults)
         self.owner_capacity_factor = owner_capacity_factor  # config kernel.owner_capacity_factor (EP > 1)
         # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
-        # MOK_SYNC_CHECK=1: synchronise after every launch and raise at once (debugging).
-        self.check = check if check is not None else (True if os.environ.get("MOK_SYNC_CHECK") == "1" else "lazy")
+        # MOK_DEBUG=sync: synchronise after every launch and raise at once (debugging).
+        self.check = check if check is not None else (True if env.debug().sync else "lazy")
         self.last_backward: str | None = None
         self._peers = None  # kernel.PeerBuffers of EP > 1 (symmetric memory, per process group)
 
@@ -162,6 +164,7 @@ class KernelBackend:
             fp8=self._fp8_weights(w1, w2),
             keep=keep,
             glu=plan.glu,
+            tuning=self.tuning,
         )
         state = {
             "x": x.detach(),
@@ -263,6 +266,7 @@ class KernelBackend:
             fp8=self._fp8_weights(w1, w2),
             keep=keep,
             glu=plan.glu,
+            tuning=self.tuning,
         )
         # Nothing here reads device values on the host (errors are checked lazily): the layout the
         # interim backward needs is

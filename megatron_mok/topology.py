@@ -8,12 +8,12 @@ handles RDMA between domains.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from . import env
 from .config import MAX_EP_RANKS
 
 
@@ -29,9 +29,9 @@ class RankPlace:
 
 def _fabric_id() -> str | None:
     """Multi-node NVLink fabric id of this GPU, if any (``MOK_NVLINK_FABRIC`` overrides)."""
-    env = os.environ.get("MOK_NVLINK_FABRIC")
-    if env:
-        return env
+    override = env.nvlink_fabric()
+    if override:
+        return override
     try:  # NVML exposes the fabric cluster of MNNVL systems; absent on single-host machines
         import pynvml
 
@@ -47,7 +47,7 @@ def _fabric_id() -> str | None:
 
 
 def local_place() -> RankPlace:
-    return RankPlace(host=os.environ.get("MOK_HOSTNAME") or socket.gethostname(), fabric=_fabric_id())
+    return RankPlace(host=socket.gethostname(), fabric=_fabric_id())
 
 
 def check_places(places: list[RankPlace]) -> None:

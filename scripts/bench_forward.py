@@ -26,6 +26,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, timeit  # noqa: E402
 
+from megatron_mok import env  # noqa: E402
+from megatron_mok.kernel.cargs import ForwardTuning  # noqa: E402
+
+
+def tuning(raster: int | None) -> ForwardTuning:
+    """The forward tuning of a benchmark row: its ticket order (None: the kernel's measured default)."""
+    return ForwardTuning(tile_raster=raster)
+
+
 SHAPES = {
     # name: (H, F, K, L, tokens)
     "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
@@ -95,9 +104,8 @@ def bench_shape(name, args, results):
         configs = [(c, m, r) for r in args.sweep_raster for c in args.sweep_comm for m in args.sweep_mb]
     best = None
     for comm, mb, raster in configs:
-        os.environ["MOK_RASTER"] = str(raster)
         try:
-            kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=mb)
+            kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=mb, tuning=tuning(raster))
             out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw)
             err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
             fn = lambda kw=kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
@@ -132,8 +140,7 @@ def bench_shape(name, args, results):
     if best and not args.no_training:
         # the training forward (what the layer runs under autograd): saved h, and saved h + kept x / act rows
         # (kernel.save_expert_input: the caller's layout-order buffers stand in for the ring)
-        os.environ["MOK_RASTER"] = str(best[3])
-        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2])
+        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2], tuning=tuning(best[3]))
         hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
         kept = mk.KeptRows.allocate(1, rows, H, F, best[2], "cuda")
         for label, extra_kw in (
@@ -155,12 +162,11 @@ def bench_shape(name, args, results):
             except Exception as exc:
                 print(f"MoK training forward ({label}): FAILED {type(exc).__name__}: {exc}", flush=True)
 
-    if args.ablate and best and os.environ.get("MOK_ABLATION") != "1":
-        print("ablation skipped: run with MOK_ABLATION=1 (separate kernel build with the MOK_DEBUG switches)")
+    if args.ablate and best and env.debug().ablation is None:
+        print("ablation skipped: run with MOK_DEBUG=ablation (the kernel build with the leave-one-out switches)")
     elif args.ablate and best:
-        # leave-one-stage-out timings (results are wrong on purpose; MOK_DEBUG bitmask in the launcher)
-        os.environ["MOK_RASTER"] = str(best[3])
-        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2])
+        # leave-one-stage-out timings (results are wrong on purpose; the MOK_DEBUG=ablation=BITS bits per launch)
+        kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2], tuning=tuning(best[3]))
         fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
         for bit, what in (
             (1, "no final weighted sum"),
@@ -169,15 +175,15 @@ def bench_shape(name, args, results):
             (8, "no dispatch copy"),
             (15, "all four"),
         ):
-            os.environ["MOK_DEBUG"] = str(bit)
+            os.environ["MOK_DEBUG"] = f"ablation={bit}"
             try:
                 a_ms = timeit_pipelined(fn, args.iters, 2)
                 mk.check_last_error()
-                print(f"ablation MOK_DEBUG={bit:2d} ({what}): back-to-back {a_ms:.3f} ms", flush=True)
+                print(f"ablation bits {bit:2d} ({what}): back-to-back {a_ms:.3f} ms", flush=True)
                 res.setdefault("ablation", {})[what] = a_ms
             except Exception as exc:
                 print(f"ablation {bit} failed: {exc}", flush=True)
-        os.environ.pop("MOK_DEBUG", None)
+        os.environ["MOK_DEBUG"] = "ablation"
 
     t_ms, t_mn = timeit(lambda: torch_forward(x, idx, w, w1t, w2t, L, F), args.iters, args.warmup)
     print(
@@ -244,14 +250,14 @@ def main():
     ap.add_argument("--ring-slots", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--raster", type=int, default=0)
+    ap.add_argument("--raster", type=int, default=None, help="kernel.tile_raster (default: the measured default)")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-raster", type=lambda s: [int(v) for v in s.split(",")], default=[0, 1])
     ap.add_argument("--sweep-comm", type=lambda s: [int(v) for v in s.split(",")], default=[4, 8, 16])
     ap.add_argument("--sweep-mb", type=lambda s: [int(v) for v in s.split(",")], default=[2560, 4096, 8192])
     ap.add_argument("--no-mcore", action="store_true")
     ap.add_argument("--no-training", action="store_true", help="skip the saved-h / kept-rows forward timings")
-    ap.add_argument("--ablate", action="store_true", help="also time leave-one-stage-out variants (MOK_DEBUG)")
+    ap.add_argument("--ablate", action="store_true", help="also time leave-one-stage-out variants (MOK_DEBUG=ablation)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import megatron_mok.kernel as mk

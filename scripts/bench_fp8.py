@@ -100,17 +100,15 @@ def host_profile(fn, n: int = 20, top: int = 12) -> None:
     st.sort_stats("tottime").print_stats(top)
 
 
-def with_env(key: str, val: str, fn):
-    """Call fn with the environment variable set (the launcher reads its tuning knobs per launch)."""
-    old = os.environ.get(key)
-    os.environ[key] = val
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
+def tuning_of(kv: str):
+    """The forward tuning of an --ab-tuning KEY=VALUE (a field of ``kernel.cargs.ForwardTuning``)."""
+    from megatron_mok.kernel.cargs import ForwardTuning
+
+    key, _, val = kv.partition("=")
+    if key not in ("tile_raster", "macrobatches", "fast_silu"):
+        raise SystemExit(f"--ab-tuning {kv!r}: KEY is one of tile_raster, macrobatches, fast_silu")
+    value = val.strip().lower() in ("1", "true", "yes") if key == "fast_silu" else int(val)
+    return ForwardTuning(**{key: value})
 
 
 def chosen_settings(res: dict, kind: str) -> dict:
@@ -139,15 +137,17 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         variants[kind] = lambda ev, kwb=kwb, extra=extra: mk.mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwb, **extra
         )
-    # the kernels with a launcher tuning knob set (e.g. MOK_RASTER), same rounds; one entry per
-    # --ab-env, each for the kernels of --ab-env-kinds (a knob at its default value is an A/A control)
-    env_kinds = [k for k in args.ab_env_kinds.split(",") if k]
-    envs = args.ab_env or []
+    # the kernels with a tuning setting (e.g. tile_raster=16), same rounds; one entry per --ab-tuning, each
+    # for the kernels of --ab-tuning-kinds (a setting at its default value is an A/A control)
+    env_kinds = [k for k in args.ab_tuning_kinds.split(",") if k]
+    envs = args.ab_tuning or []
     for i, kv in enumerate(envs):
-        key, _, val = kv.partition("=")
+        t = tuning_of(kv)
         for kind in env_kinds:
-            variants[f"{kind}_env{i}"] = lambda ev, fn=variants[kind], key=key, val=val: with_env(
-                key, val, lambda: fn(ev)
+            kwb = chosen_settings(res, kind)
+            extra = {"fp8": q8} if kind == "fp8" else {}
+            variants[f"{kind}_env{i}"] = lambda ev, kwb=kwb, extra=extra, t=t: mk.mok_forward_emulated(
+                [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, tuning=t, **kwb, **extra
             )
     if args.ab_comm is not None:  # the bf16 kernel at another SM split (A/B)
         kwa = dict(chosen_settings(res, "bf16"), comm_sms=args.ab_comm)
@@ -215,7 +215,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
             flush=True,
         )
     for i, kv in enumerate(envs):
-        ab = res.setdefault("ab_env", {}).setdefault(kv, {})
+        ab = res.setdefault("ab_tuning", {}).setdefault(kv, {})
         for kind in env_kinds:
             k = f"{kind}_env{i}"
             m, lo, hi = ratios(call[k], call[kind])  # < 1: the knob is faster
@@ -488,13 +488,13 @@ def main() -> int:
         "--ab-comm", type=int, default=None, help="interleaved rounds: also the bf16 kernel at this comm_sms (A/B)"
     )
     ap.add_argument(
-        "--ab-env",
+        "--ab-tuning",
         action="append",
         default=None,
-        help="interleaved rounds: also the kernels with this launcher knob set, KEY=VALUE (A/B; repeatable), "
-        "e.g. MOK_RASTER=16",
+        help="interleaved rounds: also the kernels with this forward tuning, KEY=VALUE (A/B; repeatable), "
+        "e.g. tile_raster=16 (keys: tile_raster, macrobatches, fast_silu)",
     )
-    ap.add_argument("--ab-env-kinds", default="bf16,fp8", help="which kernels the --ab-env variants run")
+    ap.add_argument("--ab-tuning-kinds", default="bf16,fp8", help="which kernels the --ab-tuning variants run")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one call per kernel")
     ap.add_argument(
         "--graphs",

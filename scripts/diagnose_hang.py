@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a forward launch that does not finish is stuck: every thread's last progress code, read while it runs.
 
-Builds the ablation library (MOK_ABLATION=1) and launches with MOK_DEBUG bit 256: each thread writes its last
+Builds the ablation library and launches with its bit 256 (MOK_DEBUG=ablation=256): each thread writes its last
 progress code (MOK_PROGRESS in csrc/mok, e.g. 0x12..: a producer about to wait for a free stage, 0x25..: an
 FP8 consumer about to wait for a stage to land) into host-pinned memory in place of the timeline. The host
 polls; if the launch has not finished after --wait seconds it prints, per CTA, the codes of the producer
@@ -19,8 +19,7 @@ import sys
 import time
 from collections import defaultdict
 
-os.environ["MOK_ABLATION"] = "1"
-os.environ["MOK_DEBUG"] = str(int(os.environ.get("MOK_DEBUG", "0")) | 256)
+os.environ["MOK_DEBUG"] = "ablation=256"  # the ablation build, progress codes on (csrc/mok/common.cuh)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 
 import torch  # noqa: E402

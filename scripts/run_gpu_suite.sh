@@ -6,7 +6,7 @@
 #      MOK_SUITE_BENCH=0 the benchmark, MOK_SUITE_FP8=0 the fp8-vs-bf16 benchmark (scripts/bench_fp8.py),
 #      MOK_PYTEST_PATHS (tests/gpu), MOK_PYTEST_ARGS overrides "-x -q", MOK_SUITE_FP8_ARGS the fp8 benchmark's
 #      arguments (e.g. an interleaved A/B of a launcher knob: "--comm-sms 0 --minibatch 4096 --ring-slots 4
-#      --rounds 13 --no-graphs --ab-env MOK_RASTER=16 --ab-env-kinds fp8").
+#      --rounds 13 --no-graphs --ab-tuning tile_raster=16 --ab-tuning-kinds fp8").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/device_env.sh

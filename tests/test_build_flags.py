@@ -1,5 +1,5 @@
-"""CPU: the kernel build has one build-time variant, the timing-ablation build (MOK_ABLATION=1, used by the
-timeline and hang-diagnosis tools); it reaches nvcc (and so the cache key), and nothing else does."""
+"""CPU: the kernel build has one build-time variant, the timing-ablation build (MOK_DEBUG=ablation, used by the
+benchmark and hang-diagnosis tools); it reaches nvcc (and so the cache key), and nothing else does."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from megatron_mok.kernel import build
 
 
 def test_default_build_has_no_switches(monkeypatch):
-    monkeypatch.delenv("MOK_ABLATION", raising=False)
+    monkeypatch.delenv("MOK_DEBUG", raising=False)
     flags = build.nvcc_flags(Path("/inc"), Path("/src"))
     assert build.build_choices() == {"MOK_ABLATION": 0}
     assert not [f for f in flags if f.startswith("-D")], flags
 
 
 def test_ablation_build_reaches_nvcc(monkeypatch):
-    monkeypatch.setenv("MOK_ABLATION", "1")
+    monkeypatch.setenv("MOK_DEBUG", "ablation=32")
     assert "-DMOK_ABLATION" in build.nvcc_flags(Path("/inc"), Path("/src"))
 
 

@@ -46,20 +46,22 @@ def _check(lib, **kw) -> str:
     return msg
 
 
-def test_plain_launch_is_accepted(lib, monkeypatch):
-    monkeypatch.delenv("MOK_MACROBATCHES", raising=False)
+def test_plain_launch_is_accepted(lib):
     assert _check(lib) == ""
     assert _check(lib, comm_sms=3, ctas_per_rank=65) == ""  # odd splits are fine
 
 
-def test_token_chunk_knob(lib, monkeypatch):
-    monkeypatch.setenv("MOK_MACROBATCHES", "4")
-    assert _check(lib) == ""
-    assert "needs EP 1" in _check(lib, R=2)
-    monkeypatch.setenv("MOK_MACROBATCHES", "65")
-    assert "MOK_MACROBATCHES must be an integer in [1, 64], got '65'" in _check(lib)
-    monkeypatch.setenv("MOK_MACROBATCHES", "3")
-    assert "row segments" in _check(lib, L=200)
+def test_tuning_fields(lib):
+    """The config's tuning reaches the launcher as struct fields (the sources read no environment); a value a
+    caller of the library passes outside the range is refused by config-key name."""
+    assert _check(lib, macrobatches=4) == ""
+    assert _check(lib, macrobatches=0) == ""  # 0: no chunks (a zeroed struct)
+    assert "kernel.macrobatches=4 needs EP 1" in _check(lib, macrobatches=4, Ts=[300, 300])
+    assert "kernel.macrobatches must be an integer in [1, 64], got 65" in _check(lib, macrobatches=65)
+    assert "row segments" in _check(lib, macrobatches=3, L=200)
+    assert _check(lib, raster=-1) == "" and _check(lib, raster=64) == ""
+    assert "kernel.tile_raster must be an integer in [0, 64] (or unset), got 65" in _check(lib, raster=65)
+    assert "kernel.fast_silu must be 0 or 1, got 2" in _check(lib, fast_silu=2)
 
 
 def _workspace(lib, Ts: list[int] | None = None, **kw) -> int:
@@ -76,14 +78,13 @@ def _kb(n: int) -> int:
     return -(-n // 1024) * 1024  # a workspace area: 1 KB-aligned
 
 
-def test_fp8_source_copies(lib, monkeypatch):
+def test_fp8_source_copies(lib):
     """The FP8 forward quantises each token once at its source: an emulated launch sizes every token's e4m3 copy
     and scales into its workspace (500 tokens x 256 bytes + 500 x 2 scales) beside the two ranks' pointer
     tables; a per-rank FP8 launch keeps the copies in the ranks' symmetric regions (only the tables in its
     workspace) and is refused, by name, without them."""
     from megatron_mok.kernel.cargs import LaunchArrays
 
-    monkeypatch.delenv("MOK_MACROBATCHES", raising=False)
     assert _check(lib, fp8=1) == ""  # emulated launch
     msg = _check(lib, fp8=1, rank=0)  # per-rank launch without the copies
     assert "source-quantised copy" in msg and "fp8_sources=True" in msg, msg

@@ -21,9 +21,9 @@ def test_ep_across_nvlink_domains_points_to_flex():
 
 
 def _two_hosts(rank, world_size):
-    import os
+    from megatron_mok import topology
 
-    os.environ["MOK_HOSTNAME"] = f"host{rank}"
+    topology.socket.gethostname = lambda: f"host{rank}"  # this spawned rank pretends to be on a host of its own
     from megatron_mok.testing import build_moe_layer, moe_transformer_config
 
     with pytest.raises(MokTopologyError, match="spans 2 hosts"):

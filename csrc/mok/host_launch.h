@@ -33,21 +33,6 @@ inline int write_err(char* buf, int len, const char* fmt, ...) {
   return 1;
 }
 
-// An integer launcher knob from the environment in [lo, hi]: unset -> `dflt`; false (out untouched) if it
-// is set to anything else, for the launcher to report -- a mistyped knob must not time the default.
-inline bool env_choice(const char* name, int dflt, int lo, int hi, int* out) {
-  const char* v = getenv(name);
-  if (!v) {
-    *out = dflt;
-    return true;
-  }
-  char* end = nullptr;
-  const long x = strtol(v, &end, 10);
-  if (end == v || *end != '\0' || x < lo || x > hi) return false;
-  *out = (int)x;
-  return true;
-}
-
 // The SwiGLU variant of a launch (swiglu.cuh): glu 0 (plain) or 1 with a clamp > 0 (+inf: none) and a finite
 // offset. Copied into Params by the forward and backward launchers alike.
 inline bool glu_args_ok(int glu, float clamp, float offset, char* eb, int el) {

@@ -201,6 +201,17 @@ struct MokLaunchArgs {
   int glu;
   float glu_clamp;
   float glu_offset;
+  // Tuning (config keys kernel.tile_raster / macrobatches / fast_silu; none changes a result bit but fast_silu):
+  // raster: ticket order of a GEMM stage, 0 row-block major, 1 n-tile major, G in [2, 64] bands of G row blocks,
+  // -1 the measured default (bf16 16: each wave's expert weights stay in L2, 2.6-5.4 % faster on the H200; fp8
+  // 0: bands were 1.8-2.7 % slower, its weights are half the bytes). macrobatches: token chunks B in [1, 64]
+  // (0 = 1), EP 1 only: the final sums of the first B - 1 chunks overlap the later GEMMs. fast_silu (fp8): SiLU
+  // through tanh.approx in the fc1 epilogue (expert_ffn.cuh: silu_tanh_f).
+  int raster;
+  int macrobatches;
+  int fast_silu;
+  // Timing ablations of the -DMOK_ABLATION build (common.cuh: MOK_DBG bits; results wrong); 0 otherwise.
+  int debug;
 };
 
 }  // extern "C"
@@ -217,13 +228,8 @@ struct WsLayout {
   int num_chunks, total_entries, mt_max, mb_cap, E, B;
 };
 
-// Token chunks (MOK_MACROBATCHES, a tuning knob; ring_buffer.cuh: seg_table): 1 (off) unless set; 0 if
-// set to anything but an integer in [1, 64] (validate reports it).
-int macrobatches(const MokLaunchArgs* a) {
-  (void)a;
-  int b = 1;
-  return env_choice("MOK_MACROBATCHES", 1, 1, 64, &b) ? b : 0;
-}
+// Token chunks (ring_buffer.cuh: seg_table): 1 (off) for 0.
+int macrobatches(const MokLaunchArgs* a) { return a->macrobatches == 0 ? 1 : a->macrobatches; }
 
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
@@ -260,16 +266,19 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   }
   if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
   const int B = macrobatches(a);
-  if (B < 1)
-    return !write_err(eb, el, "MOK_MACROBATCHES must be an integer in [1, 64], got '%s'", getenv("MOK_MACROBATCHES"));
+  if (B < 1 || B > 64) return !write_err(eb, el, "kernel.macrobatches must be an integer in [1, 64], got %d", B);
   if (B > 1 && a->R != 1)
     return !write_err(eb, el,
-                      "MOK_MACROBATCHES=%d needs EP 1 (one rank): with several source ranks a token chunk's rows are "
-                      "not contiguous in an expert's layout rows yet (scripts/NOTES-kernel.md, tenth session)",
+                      "kernel.macrobatches=%d needs EP 1 (one rank): with several source ranks a token chunk's rows "
+                      "are not contiguous in an expert's layout rows",
                       B);
   if ((long long)B * a->L > MOK_MAX_LOCAL_EXPERTS)
-    return !write_err(eb, el, "MOK_MACROBATCHES=%d x %d local experts exceeds %d row segments", B, a->L,
+    return !write_err(eb, el, "kernel.macrobatches=%d x %d local experts exceeds %d row segments", B, a->L,
                       MOK_MAX_LOCAL_EXPERTS);
+  if (a->raster < -1 || a->raster > 64)
+    return !write_err(eb, el, "kernel.tile_raster must be an integer in [0, 64] (or unset), got %d", a->raster);
+  if (a->fast_silu != 0 && a->fast_silu != 1)
+    return !write_err(eb, el, "kernel.fast_silu must be 0 or 1, got %d", a->fast_silu);
   return true;
 }
 
@@ -398,9 +407,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                      np, num_sms, cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
   // The lean kernel instance unless this launch uses an optional feature (common.cuh: FwdFeature)
-  int fast_silu = 0;
-  if (!env_choice("MOK_FP8_FAST_SILU", 0, 0, 1, &fast_silu))  // expert_ffn.cuh: silu_tanh_f
-    return write_err(errbuf, errlen, "MOK_FP8_FAST_SILU must be 0 or 1, got '%s'", getenv("MOK_FP8_FAST_SILU"));
+  const int fast_silu = a->fp8 ? a->fast_silu : 0;  // validated
   // Instances: lean (kFeat 0), the SwiGLU variant alone (kFeatGlu: a clamped / offset SwiGLU model runs as fast
   // as a plain one), and every feature (kFeatAll) for the launches that need another one.
   const bool other_features = ws.B > 1 || (a->fp8 && fast_silu);
@@ -540,18 +547,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   P.slot_rows = SR; P.kept_layout = keep ? 1 : 0;
   P.mt_max = ws.mt_max;
   P.mb_cap = ws.mb_cap;
-  {
-    // tuning knobs (README: launcher tuning knobs): a value outside the range is an error, not a clamp
-    // ticket order; default bands of 16 row blocks for bf16 (each wave's expert weights stay in L2: 2.6-5.4 %
-    // faster on the H200, 2026-12-05), row-block major for fp8 (bands were 1.8-2.7 % slower: its weights are
-    // half the bytes)
-    const int raster_default = a->fp8 ? 0 : 16;
-    if (!env_choice("MOK_RASTER", raster_default, 0, 64, &P.raster))
-      return write_err(errbuf, errlen, "MOK_RASTER must be an integer in [0, 64], got '%s'", getenv("MOK_RASTER"));
-    const char* ds = getenv("MOK_DEBUG");  // timing ablations only (the -DMOK_ABLATION build reads it)
-    P.debug = ds ? atoi(ds) : 0;
-    P.fp8_fast_silu = fast_silu;  // read above (it picks the kernel instance)
-  }
+  P.raster = a->raster >= 0 ? a->raster : (a->fp8 ? 0 : 16);  // validated; -1: the measured default (above)
+  P.debug = a->debug;
+  P.fp8_fast_silu = fast_silu;  // it picks the kernel instance (above)
   P.glu = a->glu;  // validated; picks the featured instance
   P.glu_clamp = a->glu_clamp;
   P.glu_offset = a->glu_offset;

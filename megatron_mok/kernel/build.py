@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .. import env
+
 _HERE = Path(__file__).resolve().parent
 LIB_NAME = "libmok_forward"
 MAIN_SOURCE = "mok_forward.cu"
@@ -31,9 +33,7 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    env = os.environ.get("MOK_CSRC_DIR")
-    candidates = [Path(env)] if env else []
-    candidates += [_HERE.parent.parent / "csrc" / "mok", _HERE / "csrc" / "mok"]
+    candidates = [_HERE.parent.parent / "csrc" / "mok", _HERE / "csrc" / "mok"]
     for c in candidates:
         if (c / MAIN_SOURCE).is_file():
             return c
@@ -41,19 +41,19 @@ def source_dir() -> Path:
 
 
 def find_nvcc() -> str | None:
-    env = os.environ.get("MOK_NVCC")
-    if env:
-        return env if Path(env).exists() else None
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    explicit = env.nvcc()
+    if explicit:
+        return explicit if Path(explicit).exists() else None
+    for home in (env.cuda_home(), "/usr/local/cuda"):
         if home and (Path(home) / "bin" / "nvcc").exists():
             return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
 
 
 def cutlass_include() -> Path | None:
-    env = os.environ.get("MOK_CUTLASS_INCLUDE")
-    if env:
-        return Path(env) if (Path(env) / "cute").is_dir() else None
+    explicit = env.cutlass_include()
+    if explicit:
+        return Path(explicit) if (Path(explicit) / "cute").is_dir() else None
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -62,9 +62,9 @@ def cutlass_include() -> Path | None:
 
 
 def build_choices() -> dict[str, int]:
-    """The build-time switches the library is compiled with: only the timing-ablation build (``MOK_ABLATION=1``,
-    csrc/mok/common.cuh), which the hang-diagnosis and timeline tools use."""
-    return {"MOK_ABLATION": int(os.environ.get("MOK_ABLATION") == "1")}
+    """The build-time switches the library is compiled with: only the timing-ablation build (``MOK_DEBUG=ablation``,
+    csrc/mok/common.cuh), which the hang-diagnosis and benchmark tools use."""
+    return {"MOK_ABLATION": int(env.debug().ablation is not None)}
 
 
 def nvcc_flags(include: Path, src: Path) -> list[str]:
@@ -103,7 +103,7 @@ def _cache_key(src: Path, flags: list[str], nvcc_ver: str) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOK_CACHE_DIR", Path.home() / ".cache" / "megatron_mok"))
+    return env.cache_dir()
 
 
 def _check_tools() -> tuple[str, Path, Path]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import array
 import math
+from dataclasses import dataclass
 
+from .. import env
 from ..activation import Glu
 
 
@@ -42,3 +44,32 @@ def bind_glu(args, glu: Glu | None) -> None:
     args.glu = 1
     args.glu_clamp = math.inf if glu.clamp is None else float(glu.clamp)
     args.glu_offset = float(glu.offset)
+
+
+@dataclass(frozen=True)
+class ForwardTuning:
+    """The forward kernel's tuning (config keys ``kernel.tile_raster`` / ``macrobatches`` / ``fast_silu``): the
+    GEMM ticket order (None: the kernel's measured default per dtype), token chunks (EP 1; same results) and,
+    for FP8, the tanh.approx SiLU of the fc1 epilogue (moves a few e4m3 roundings)."""
+
+    tile_raster: int | None = None
+    macrobatches: int = 1
+    fast_silu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tile_raster is not None and not (type(self.tile_raster) is int and 0 <= self.tile_raster <= 64):
+            raise ValueError(f"kernel.tile_raster must be None or an integer in [0, 64], got {self.tile_raster!r}")
+        if not (type(self.macrobatches) is int and 1 <= self.macrobatches <= 64):
+            raise ValueError(f"kernel.macrobatches must be an integer in [1, 64], got {self.macrobatches!r}")
+        if type(self.fast_silu) is not bool:
+            raise ValueError(f"kernel.fast_silu must be True or False, got {self.fast_silu!r}")
+
+
+def bind_tuning(args, tuning: ForwardTuning | None) -> None:
+    """Set a forward argument struct's tuning fields, and the timing-ablation bits of ``MOK_DEBUG=ablation=BITS``
+    (read by the ablation build only)."""
+    t = tuning or ForwardTuning()
+    args.raster = -1 if t.tile_raster is None else int(t.tile_raster)
+    args.macrobatches = int(t.macrobatches)
+    args.fast_silu = int(bool(t.fast_silu))
+    args.debug = env.debug().ablation or 0

@@ -16,7 +16,7 @@ import torch
 
 from ..activation import Glu
 from . import weight_memo
-from .cargs import LaunchArrays, bind_glu
+from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
 from .errors import MokKernelError, format_error, raise_recorded_error
 
 MOK_MAX_RANKS = 72
@@ -34,7 +34,7 @@ _PHASES = {
     8: "peer start signal (a peer rank has not launched this call)",
     9: "peer compute-done signal (a peer rank has not finished its experts)",
     10: "peer token count",
-    12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, MOK_MACROBATCHES)",
+    12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, kernel.macrobatches)",
     13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy for the FP8 forward)",
 }
 
@@ -94,6 +94,11 @@ class _Args(ctypes.Structure):
         ("glu", ctypes.c_int),
         ("glu_clamp", ctypes.c_float),
         ("glu_offset", ctypes.c_float),
+        # tuning (config kernel.tile_raster / macrobatches / fast_silu; cargs.bind_tuning) and the ablation bits
+        ("raster", ctypes.c_int),
+        ("macrobatches", ctypes.c_int),
+        ("fast_silu", ctypes.c_int),
+        ("debug", ctypes.c_int),
     ]
 
 
@@ -458,6 +463,7 @@ def mok_forward_emulated(
     keep: KeptRows | None = None,
     gpu_events=None,
     glu: Glu | None = None,
+    tuning: ForwardTuning | None = None,
 ):
     """Fused MoE forward over R emulated EP ranks in one kernel launch. See package docstring.
 
@@ -469,6 +475,7 @@ def mok_forward_emulated(
     keep: optional ``KeptRows`` (R parts, rows >= sum_r T_r * K): the launch keeps the expert input and
     SwiGLU output rows there, for ``mok_backward_emulated(..., kept=keep)`` (bf16 only).
     glu: the SwiGLU variant (clamp / offset, ``megatron_mok.activation.Glu``); None: plain SwiGLU.
+    tuning: the config's ``ForwardTuning`` (ticket order, token chunks, fast SiLU); None: the defaults.
     gpu_events: optional ``(start, end)`` pair of ``torch.cuda.Event``: recorded on the launch stream just
     before and after the library enqueues its work (metadata upload, zeroing, kernel), so their elapsed
     time is the layer's device time without this call's host preparation (which a CUDA-event pair around
@@ -517,6 +524,7 @@ def mok_forward_emulated(
     args.tpe = arr([t.data_ptr() for t in tpe])
     set_expert_weights(args, arrays, w1, w2, fp8, range(R), L, H, F, device, dense)
     bind_glu(args, glu)
+    bind_tuning(args, tuning)
 
     if keep is not None:
         keep.bind(args, R, H, F, minibatch_tokens, device, _fail, fp8)

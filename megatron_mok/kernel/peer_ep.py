@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..activation import Glu
-from .cargs import LaunchArrays, bind_glu
+from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
 from .emulated import (
     MOK_MAX_RANKS,
     _Args,
@@ -261,6 +261,7 @@ def mok_forward_rank(
     fp8=None,
     keep=None,
     glu: Glu | None = None,
+    tuning: ForwardTuning | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MoE forward of rank ``bufs.rank`` (one kernel launch; every rank must make the matching call).
 
@@ -330,6 +331,7 @@ def mok_forward_rank(
     args.tpe = arr(own_only(tpe.data_ptr()))
     set_expert_weights(args, arrays, [w1], [w2], fp8, [0], L, H, F, device, dense=dense)
     bind_glu(args, glu)  # the SwiGLU variant (clamp / offset); None: plain
+    bind_tuning(args, tuning)  # the config's forward tuning; None: the defaults
     args.signal = arr([bufs.peer(r, reg.signal_off) for r in range(R)])
     if fp8 is not None:  # this rank quantises its tokens once, peers pull them
         if not reg.fp8_sources:

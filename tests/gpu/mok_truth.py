@@ -301,11 +301,11 @@ def exact_fp32_grads(x, topk_idx, topk_weight, w1, w2, grad_out):
 KEPT_AND_BACKWARD = ("out", "kept x", "kept act", "saved h", "grad_x", "dW1[0]")
 
 
-def kept_rows_and_backward(kernel, monkeypatch, knob: str, values, comm_sms: int = 0) -> dict:
-    """The forward with kept rows and the saved fc1 output, then the backward on top of them, once per value
-    of the launcher knob ``knob`` (an environment variable): value -> the KEPT_AND_BACKWARD tensors of rank 0
-    (kept rows past the routed ones are never written: NaN, compared as 7). Bit-for-bit comparisons of a knob
-    that changes only the processing (token chunks, 2-CTA clusters)."""
+def kept_rows_and_backward(kernel, tunings, comm_sms: int = 0) -> dict:
+    """The forward with kept rows and the saved fc1 output, then the backward on top of them, once per
+    ``kernel.cargs.ForwardTuning`` of ``tunings``: tuning -> the KEPT_AND_BACKWARD tensors of rank 0 (kept rows
+    past the routed ones are never written: NaN, compared as 7). Bit-for-bit comparisons of a tuning that
+    changes only the processing (token chunks, ticket order)."""
     import megatron_mok.kernel.backward as bk
     from megatron_mok.kernel import KeptRows
 
@@ -314,17 +314,13 @@ def kept_rows_and_backward(kernel, monkeypatch, knob: str, values, comm_sms: int
     rows = T * K
     cfg = dict(comm_sms=comm_sms, ring_slots=2, minibatch_tokens=192)
     res = {}
-    for v in values:
+    for v in tunings:
         keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
         keep.x.fill_(float("nan"))
         keep.act.fill_(float("nan"))
         h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        monkeypatch.setenv(knob, str(v))
-        try:
-            out, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h, keep=keep, **cfg)
-            torch.cuda.synchronize()
-        finally:
-            monkeypatch.delenv(knob)
+        out, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h, keep=keep, tuning=v, **cfg)
+        torch.cuda.synchronize()
         grads = bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
         torch.cuda.synchronize()
         kx, ka = keep.x[0].nan_to_num(7.0), keep.act[0].nan_to_num(7.0)
