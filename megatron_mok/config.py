@@ -441,6 +441,16 @@ def set_active_config(cfg: MokConfig | str | Path | None) -> MokConfig | None:
     return _STATE.active
 
 
+def megatron_args_mok_config() -> str | None:
+    """``--mok-config`` of the running Megatron-LM job, if any."""
+    try:
+        from megatron.training import global_vars
+    except Exception:  # noqa: BLE001
+        return None
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    return getattr(args, "mok_config", None) if args is not None else None
+
+
 def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
     """The config a MoK layer built from ``tc`` uses.
 
@@ -453,8 +463,6 @@ def resolve_config(tc: Any, ep_size: int | None = None) -> MokConfig:
     if explicit is None:
         explicit = _STATE.active
     if explicit is None:
-        from .registration import megatron_args_mok_config
-
         explicit = megatron_args_mok_config()
     if explicit is None:
         explicit = env.config_name()

@@ -122,13 +122,3 @@ def register() -> None:
     _patch_moe_layer()
     _patch_megatron_lm_args()
     _REGISTERED = True
-
-
-def megatron_args_mok_config() -> str | None:
-    """``--mok-config`` of the running Megatron-LM job, if any."""
-    try:
-        from megatron.training import global_vars
-    except Exception:  # noqa: BLE001
-        return None
-    args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    return getattr(args, "mok_config", None) if args is not None else None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mok.kernel import backward, emulated, fp8_gemm
+from megatron_mok.kernel import backward, fp8_gemm, library
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc" / "mok"
 
@@ -40,7 +40,7 @@ def c_struct_fields(source: str, name: str) -> list[tuple[str, int]]:
 @pytest.mark.parametrize(
     "source,struct,binding",
     [
-        ("mok_forward.cu", "MokLaunchArgs", emulated._Args),
+        ("mok_forward.cu", "MokLaunchArgs", library._Args),
         ("mok_forward.cu", "MokFp8GemmArgs", fp8_gemm._Fp8Args),
         ("mok_backward.cu", "MokBwdArgs", backward._Args),
         ("mok_backward.cu", "MokWgradArgs", backward._WgradArgs),

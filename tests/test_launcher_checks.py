@@ -22,7 +22,7 @@ def lib() -> ctypes.CDLL:
 def _args(arrays, Ts: list[int] | None = None, **kw):
     """The launch struct of a small launch (L 4, H 256, F 128, top-2, 2 comm SMs) with the given fields; Ts: the
     ranks' token counts (default 300 each)."""
-    from megatron_mok.kernel.emulated import _Args
+    from megatron_mok.kernel.library import _Args
 
     a = _Args()
     a.R, a.L, a.H, a.F, a.K = len(Ts) if Ts else 1, 4, 256, 128, 2

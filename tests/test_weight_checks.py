@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok.kernel.emulated import _check_expert_weights, dense_weights_ok
+from megatron_mok.kernel.emulated import _check_expert_weights
 from megatron_mok.kernel.fp8_weights import Fp8ExpertWeights
+from megatron_mok.kernel.weight_memo import dense_weights_ok
 
 CPU = torch.device("cpu")
 R, L, H, F = 2, 3, 128, 64

@@ -14,8 +14,9 @@ import torch
 
 from megatron_mok.kernel import weight_memo
 from megatron_mok.kernel.cargs import LaunchArrays
-from megatron_mok.kernel.emulated import dense_weight_pointers, set_expert_weights
+from megatron_mok.kernel.emulated import set_expert_weights
 from megatron_mok.kernel.fp8_weights import Fp8ExpertWeights
+from megatron_mok.kernel.weight_memo import dense_weight_pointers
 
 CPU = torch.device("cpu")
 R, L, H, F = 2, 3, 256, 128

@@ -58,7 +58,7 @@ def compile_only(output=None, verbose: bool = False):
 
 
 def _load_library():
-    from .emulated import load_library
+    from .library import load_library
 
     return load_library()
 

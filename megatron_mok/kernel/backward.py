@@ -35,8 +35,9 @@ from ..activation import Glu
 from . import build as _build
 from .availability import KernelAvailability
 from .cargs import LaunchArrays, bind_glu
-from .emulated import _lazy_checker, capture_check, dense_weights_ok, launch_workspace, refuse_capture
+from .emulated import _lazy_checker, capture_check, launch_workspace, refuse_capture
 from .errors import MokKernelError, format_error, raise_recorded_error
+from .weight_memo import dense_weights_ok
 
 LIB_NAME = "libmok_backward"
 MAIN_SOURCE = "mok_backward.cu"

@@ -8,16 +8,15 @@ through a per-rank pointer table (what peer pointers of torch symmetric memory w
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..activation import Glu
-from . import weight_memo
 from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
 from .errors import MokKernelError, format_error, raise_recorded_error
+from .library import _Args, load_library
+from .weight_memo import dense_weight_pointers
 
 MOK_MAX_RANKS = 72
 MOK_MAX_LOCAL_EXPERTS = 512
@@ -37,69 +36,6 @@ _PHASES = {
     12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, kernel.macrobatches)",
     13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy for the FP8 forward)",
 }
-
-
-class _Args(ctypes.Structure):
-    _fields_ = [
-        ("R", ctypes.c_int),
-        ("L", ctypes.c_int),
-        ("H", ctypes.c_int),
-        ("F", ctypes.c_int),
-        ("K", ctypes.c_int),
-        ("comm_sms", ctypes.c_int),
-        ("ring_slots", ctypes.c_int),
-        ("minibatch", ctypes.c_int),
-        ("ctas_per_rank", ctypes.c_int),
-        ("stall_rank", ctypes.c_int),
-        ("stall_slot", ctypes.c_int),
-        ("device", ctypes.c_int),
-        ("timeout_ms", ctypes.c_double),
-        ("T", ctypes.c_void_p),
-        ("x", ctypes.c_void_p),
-        ("idx", ctypes.c_void_p),
-        ("w", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("combine", ctypes.c_void_p),
-        ("tpe", ctypes.c_void_p),
-        ("w1", ctypes.c_void_p),
-        ("w1_ld", ctypes.c_void_p),
-        ("w2", ctypes.c_void_p),
-        ("w2_ld", ctypes.c_void_p),
-        ("workspace", ctypes.c_ulonglong),
-        ("workspace_bytes", ctypes.c_ulonglong),
-        ("err", ctypes.c_ulonglong),
-        # per-rank launch only (mok_forward_rank_launch; see peer_ep.py)
-        ("rank", ctypes.c_int),
-        ("epoch", ctypes.c_uint),
-        ("signal", ctypes.c_void_p),
-        # optional in-kernel timeline (see Timeline)
-        ("timeline", ctypes.c_ulonglong),
-        ("timeline_count", ctypes.c_ulonglong),
-        ("timeline_cap", ctypes.c_int),
-        # optional: owners' fc1-output buffers kept for the backward (see mok_forward_emulated)
-        ("saved_h", ctypes.c_void_p),
-        ("saved_h_rows", ctypes.c_longlong),
-        # FP8 kernel (kernel.dtype fp8): w1 / w2 then point at e4m3 weights, w1s / w2s at their scales
-        ("fp8", ctypes.c_int),
-        ("w1s", ctypes.c_void_p),
-        ("w2s", ctypes.c_void_p),
-        # optional kept expert input / SwiGLU output rows (KeptRows), bf16 only
-        ("keep_x", ctypes.c_ulonglong),
-        ("keep_act", ctypes.c_ulonglong),
-        ("keep_rows", ctypes.c_longlong),
-        # FP8 per-rank launch: every rank's source-quantised copy (peer_ep.py)
-        ("xq", ctypes.c_void_p),
-        ("xs", ctypes.c_void_p),
-        # the SwiGLU variant (clamp / offset; cargs.bind_glu)
-        ("glu", ctypes.c_int),
-        ("glu_clamp", ctypes.c_float),
-        ("glu_offset", ctypes.c_float),
-        # tuning (config kernel.tile_raster / macrobatches / fast_silu; cargs.bind_tuning) and the ablation bits
-        ("raster", ctypes.c_int),
-        ("macrobatches", ctypes.c_int),
-        ("fast_silu", ctypes.c_int),
-        ("debug", ctypes.c_int),
-    ]
 
 
 @dataclass
@@ -155,36 +91,9 @@ class KeptRows:
         args.keep_x, args.keep_act, args.keep_rows = self.x.data_ptr(), self.act.data_ptr(), self.rows
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_lib_error: str | None = None
 _ws_cache: dict[int, torch.Tensor] = {}
 _err_cache: dict[int, torch.Tensor] = {}
 _sm_count: dict[int, int] = {}  # per device: its SM count (asked once, not on every launch)
-
-
-def load_library(path: Path | None = None) -> ctypes.CDLL:
-    global _lib, _lib_error
-    with _lock:
-        if _lib is not None:
-            return _lib
-        if path is None:
-            from .build import build_library
-
-            path = build_library()
-        lib = ctypes.CDLL(str(path))
-        lib.mok_workspace_bytes.restype = ctypes.c_longlong
-        lib.mok_workspace_bytes.argtypes = [ctypes.POINTER(_Args)]
-        lib.mok_forward_check.restype = ctypes.c_int
-        lib.mok_forward_check.argtypes = [ctypes.POINTER(_Args), ctypes.c_char_p, ctypes.c_int]
-        for fn in (lib.mok_forward_emulated_launch, lib.mok_forward_rank_launch):
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.POINTER(_Args), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
-        lib.mok_device_info.restype = ctypes.c_int
-        lib.mok_device_info.argtypes = [ctypes.c_int] + [ctypes.POINTER(ctypes.c_int)] * 3
-        lib.mok_version.restype = ctypes.c_char_p
-        _lib = lib
-        return lib
 
 
 def _fail(msg: str) -> None:
@@ -263,35 +172,6 @@ def _check_tensor(t, name, dtype, ndim, device):
         _fail(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.device != device:
         _fail(f"{name} is on {t.device}, expected {device}")
-
-
-def dense_weight_pointers(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> tuple[int, ...] | None:
-    """The common case in one cheap pass: lists holds R lists of L contiguous, 16-byte aligned ``dtype``
-    tensors of ``shape`` on ``device``; their data pointers (rank-major), or None for "check in detail"
-    (which names the problem or accepts a strided weight). The per-call host time of a launch was mostly
-    these checks, run for every expert: a passed pass is remembered for the same tensors at the same
-    addresses (weight_memo.py)."""
-    flat = weight_memo.flatten(lists, R, L)
-    if flat is None:
-        return None
-
-    def dense(ts) -> bool:
-        return all(
-            isinstance(t, torch.Tensor)
-            and t.dtype == dtype
-            and t.shape == shape
-            and t.device == device
-            and t.is_contiguous()
-            and t.data_ptr() % 16 == 0
-            for t in ts
-        )
-
-    return weight_memo.checked_pointers(flat, (dtype, tuple(shape), device), dense)
-
-
-def dense_weights_ok(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> bool:
-    """``dense_weight_pointers`` as a yes / no."""
-    return dense_weight_pointers(lists, R, L, dtype, shape, device) is not None
 
 
 def _check_expert_weights(w1, w2, R: int, L: int, H: int, F: int, device) -> None:

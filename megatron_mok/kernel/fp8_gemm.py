@@ -14,8 +14,9 @@ import ctypes
 import torch
 
 from .cargs import LaunchArrays
-from .emulated import _lazy_checker, load_library
+from .emulated import _lazy_checker
 from .errors import MokKernelError, format_error
+from .library import load_library
 
 BLOCK = 128
 

@@ -38,17 +38,16 @@ from ..activation import Glu
 from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
 from .emulated import (
     MOK_MAX_RANKS,
-    _Args,
     _check_tensor,
     _error_message,
     _lazy_checker,
-    dense_weight_pointers,
-    load_library,
     refuse_capture,
     rejection,
     set_expert_weights,
 )
 from .errors import MokKernelError, raise_recorded_error
+from .library import _Args, load_library
+from .weight_memo import dense_weight_pointers
 
 SIGNAL_KINDS = 4  # start, done, token count, source-quantised (csrc/mok/common.cuh SignalKind)
 SCALE_BLOCK = 128  # columns per fp32 scale of the source-quantised rows (1 x 128 blocks)

@@ -84,3 +84,32 @@ def clear() -> None:
 def size() -> int:
     """Entries remembered now (tests)."""
     return len(_memo)
+
+
+def dense_weight_pointers(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> tuple[int, ...] | None:
+    """The common case in one cheap pass: lists holds R lists of L contiguous, 16-byte aligned ``dtype``
+    tensors of ``shape`` on ``device``; their data pointers (rank-major), or None for "check in detail"
+    (which names the problem or accepts a strided weight). The per-call host time of a launch was mostly
+    these checks, run for every expert: a passed pass is remembered for the same tensors at the same
+    addresses (weight_memo.py)."""
+    flat = flatten(lists, R, L)
+    if flat is None:
+        return None
+
+    def dense(ts) -> bool:
+        return all(
+            isinstance(t, torch.Tensor)
+            and t.dtype == dtype
+            and t.shape == shape
+            and t.device == device
+            and t.is_contiguous()
+            and t.data_ptr() % 16 == 0
+            for t in ts
+        )
+
+    return checked_pointers(flat, (dtype, tuple(shape), device), dense)
+
+
+def dense_weights_ok(lists, R: int, L: int, dtype, shape: tuple[int, int], device) -> bool:
+    """``dense_weight_pointers`` as a yes / no."""
+    return dense_weight_pointers(lists, R, L, dtype, shape, device) is not None
