@@ -116,7 +116,7 @@ def minibatch_start(
 ) -> int:
     """First layout row of minibatch ``i``: ``i * minibatch_tokens``, rounded down to the ``tile_rows``
     grid of the expert it falls in when ``expert_offsets`` ([L + 1], exclusive prefix sum) is given; the
-    number of rows for ``i`` past the last minibatch (csrc/mok/ring_buffer.cuh: mb_begin)."""
+    number of rows for ``i`` past the last minibatch (csrc/mok/comm/ring_buffer.cuh: mb_begin)."""
     if expert_offsets is None:
         raise ValueError("minibatch_start needs the expert offsets (their last entry is the row count)")
     n = int(expert_offsets[-1])

@@ -1,5 +1,5 @@
 """MXFP8 (OCP microscaling, e4m3 elements): the Blackwell (sm_100a) numerics of ``kernel.dtype: mxfp8``,
-and the oracle of the MXFP8 quantiser (``csrc/mok/mxfp8_quant.cuh``, arch-neutral: tested on the H200)
+and the oracle of the MXFP8 quantiser (``csrc/mok/quant/mxfp8_quant.cuh``, arch-neutral: tested on the H200)
 and of the sm_100a block-scaled expert GEMM unit (``csrc/mok/sm100/``, compiled here, not runnable).
 
 * every 1 x 32 block along K (the reduction dimension) shares one UE8M0 scale: a bare power of two,

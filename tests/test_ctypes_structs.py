@@ -40,10 +40,10 @@ def c_struct_fields(source: str, name: str) -> list[tuple[str, int]]:
 @pytest.mark.parametrize(
     "source,struct,binding",
     [
-        ("mok_forward.cu", "MokLaunchArgs", library._Args),
-        ("mok_forward.cu", "MokFp8GemmArgs", fp8_gemm._Fp8Args),
-        ("mok_backward.cu", "MokBwdArgs", backward._Args),
-        ("mok_backward.cu", "MokWgradArgs", backward._WgradArgs),
+        ("host/forward.cu", "MokLaunchArgs", library._Args),
+        ("host/unit_entry_points.cuh", "MokFp8GemmArgs", fp8_gemm._Fp8Args),
+        ("host/backward.cu", "MokBwdArgs", backward._Args),
+        ("host/backward.cu", "MokWgradArgs", backward._WgradArgs),
     ],
 )
 def test_ctypes_struct_matches_c(source, struct, binding):

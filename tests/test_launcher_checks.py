@@ -1,4 +1,4 @@
-"""CPU: the forward launcher's own refusals (csrc/mok/mok_forward.cu: validate, via mok_forward_check), with the
+"""CPU: the forward launcher's own refusals (csrc/mok/host/forward.cu: validate, via mok_forward_check), with the
 library built here by nvcc and loaded without a GPU -- the launch-time knobs' errors name the knob and value."""
 
 from __future__ import annotations

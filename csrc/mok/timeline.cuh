@@ -14,7 +14,7 @@ enum TimelineKind : unsigned {
   kTlFc2 = 3,       // one fc2 tile incl. its push-combine stores (aux = minibatch)
   kTlCombine = 4,   // final top-k weighted sum (after every rank's pushes landed; token chunks: aux = chunk,
                     // one event per summing warp of the early chunks)
-  // backward kernel (mok_backward.cu)
+  // backward kernel (host/backward.cu)
   kTlBwdPull = 5,      // pull reverse-combine of one minibatch: x and w * grad_out rows (aux = minibatch)
   kTlBwdStage1 = 6,    // stage-1 tile main loops (dA = gy W2 [+ fc1 recompute]) (aux = minibatch)
   kTlBwdStage1Epi = 7, // its SwiGLU-backward epilogue: act and dH stores

@@ -2,7 +2,7 @@
 
 What runs where (see scripts/NOTES-backward.md):
 
-* ONE persistent cooperative kernel launch (``csrc/mok/mok_backward.cu``) does, for R emulated ranks:
+* ONE persistent cooperative kernel launch (``csrc/mok/host/backward.cu``) does, for R emulated ranks:
   the schedule (the forward's layout, recomputed from the routing), the pull reverse-combine
   (x rows and ``w * grad_out`` rows pulled from the home ranks into layout order), the dgrad GEMMs
   (stage 1: fc1 recompute + fc2 dgrad + SwiGLU backward -> dH, act; stage 2: dX = dH @ W1) with WGMMA
@@ -40,7 +40,7 @@ from .errors import MokKernelError, format_error, raise_recorded_error
 from .weight_memo import dense_weights_ok
 
 LIB_NAME = "libmok_backward"
-MAIN_SOURCE = "mok_backward.cu"
+MAIN_SOURCE = "host/backward.cu"
 MOK_MAX_RANKS = 72
 MOK_MAX_LOCAL_EXPERTS = 512
 MOK_MAX_SLOTS = 64
@@ -65,7 +65,7 @@ _PHASES = {
 # build
 # ---------------------------------------------------------------------------------------------------
 def _sources(src: Path) -> list[Path]:
-    return sorted([*src.glob("*.cu*"), *src.glob("*.h")]) + sorted((src / "backward").glob("*.cu*"))
+    return _build.library_sources(src)
 
 
 def _check_tools() -> tuple[str, Path, Path]:

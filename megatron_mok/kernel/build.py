@@ -25,7 +25,7 @@ from .. import env
 
 _HERE = Path(__file__).resolve().parent
 LIB_NAME = "libmok_forward"
-MAIN_SOURCE = "mok_forward.cu"
+MAIN_SOURCE = "host/forward.cu"
 
 
 class BuildError(RuntimeError):
@@ -38,6 +38,12 @@ def source_dir() -> Path:
         if (c / MAIN_SOURCE).is_file():
             return c
     raise BuildError(f"MoK CUDA sources not found (looked in {', '.join(str(c) for c in candidates)})")
+
+
+def library_sources(src: Path) -> list[Path]:
+    """Every source a library may include (the cache key hashes them all): csrc/mok and its concept folders, the
+    sm_100 units aside."""
+    return sorted(p for p in src.rglob("*") if p.suffix in (".cu", ".cuh", ".h") and "sm100" not in p.parts)
 
 
 def find_nvcc() -> str | None:
@@ -94,8 +100,8 @@ def _nvcc_version(nvcc: str) -> str:
 
 def _cache_key(src: Path, flags: list[str], nvcc_ver: str) -> str:
     h = hashlib.sha256()
-    for f in sorted([*src.glob("*.cu*"), *src.glob("*.h")]):  # kernels + host headers
-        h.update(f.name.encode())
+    for f in library_sources(src):
+        h.update(str(f.relative_to(src)).encode())
         h.update(f.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(nvcc_ver.encode())
@@ -177,7 +183,7 @@ def build_sm100_library(verbose: bool = False, force: bool = False) -> Path:
     nvcc, inc, src = _check_tools()
     flags = sm100_flags(inc, src) + ["-shared"]
     h = hashlib.sha256()
-    for f in (SM100_SOURCE, "host_launch.h"):  # the unit and the host helpers it includes
+    for f in (SM100_SOURCE, "host/host_launch.h", "host/param_upload.cuh"):  # the unit and the host helpers it includes
         h.update((src / f).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(_nvcc_version(nvcc).encode())

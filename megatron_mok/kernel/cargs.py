@@ -36,7 +36,7 @@ class LaunchArrays:
 
 
 def bind_glu(args, glu: Glu | None) -> None:
-    """Set a forward or backward argument struct's SwiGLU variant (csrc/mok/swiglu.cuh) from ``glu``
+    """Set a forward or backward argument struct's SwiGLU variant (csrc/mok/gemm/swiglu.cuh) from ``glu``
     (None or the plain SwiGLU: glu 0, the kernels' plain code)."""
     if glu is None or glu.plain:
         args.glu, args.glu_clamp, args.glu_offset = 0, math.inf, 0.0

@@ -134,7 +134,7 @@ def capture_check(check, who: str):
 
 
 def auto_ctas_per_rank(n_sms: int, parts: int) -> int:
-    """CTAs per rank partition when the caller leaves it to the launcher (mok_forward.cu: forward_launch): all
+    """CTAs per rank partition when the caller leaves it to the launcher (csrc/mok/host/forward.cu: forward_launch): all
     SMs split evenly."""
     return n_sms // parts
 

@@ -1,6 +1,6 @@
 """FP8 (e4m3) block-scaled grouped GEMM on the H200: the unit kernel of the FP8 path (issue #5).
 
-``fp8_grouped_gemm`` runs ``csrc/mok/fp8_gemm.cuh`` (in the forward library): for each expert's rows
+``fp8_grouped_gemm`` runs ``csrc/mok/gemm/fp8_gemm.cuh`` (in the forward library): for each expert's rows
 (segments back to back from row 0) ``out = x @ w_e^T`` from e4m3 operands with DeepSeek-V3 block scales
 (1 x 128 for activations, 128 x 128 for weights), fp32 accumulation with per-K-block scale promotion,
 bf16 output. ``megatron_mok.fp8.fp8_linear`` is its oracle. The row counts are host integers here (a

@@ -28,7 +28,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 [N / 128, K / 128]) as ``fp8.quantize_weight_128x128`` computes it
     (bit-identical for finite weights; a NaN poisons only its own value, not its whole block): on a CUDA
     bf16 weight with unit inner stride, a row stride of a multiple of 8 and a 16-byte aligned start, one
-    kernel that reads w once (csrc/mok/fp8_weight_quant.cuh); otherwise, or without the MoK library, the
+    kernel that reads w once (csrc/mok/quant/fp8_weight_quant.cuh); otherwise, or without the MoK library, the
     PyTorch recipe."""
     fast = w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
     if not (fast and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0):

@@ -1,4 +1,4 @@
-"""The forward library's C ABI (the launch struct, mirrored field for field from csrc/mok/mok_forward.cu:
+"""The forward library's C ABI (the launch struct, mirrored field for field from csrc/mok/host/forward.cu:
 MokLaunchArgs) and its loading: built on first use (build.py), loaded once per process."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MXFP8 rows through the MoK library's quantiser (``csrc/mok/mxfp8_quant.cuh``): the device code the
+"""MXFP8 rows through the MoK library's quantiser (``csrc/mok/quant/mxfp8_quant.cuh``): the device code the
 Blackwell (sm_100a) megakernel fuses into its pull and SwiGLU epilogue, run here as a unit kernel so the
 recipe (``megatron_mok.mxfp8``) can be checked bit for bit on any GPU, the H200 included."""
 

@@ -1,4 +1,4 @@
-"""GPU tests of the FP8 block-scaled grouped GEMM unit (csrc/mok/fp8_gemm.cuh) against the numerics
+"""GPU tests of the FP8 block-scaled grouped GEMM unit (csrc/mok/gemm/fp8_gemm.cuh) against the numerics
 oracle megatron_mok.fp8.fp8_linear (same block scales, fp32 accumulation per 128-wide K block)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The MXFP8 quantiser of the Blackwell path (csrc/mok/mxfp8_quant.cuh, arch-neutral) on the H200: bit for
+"""The MXFP8 quantiser of the Blackwell path (csrc/mok/quant/mxfp8_quant.cuh, arch-neutral) on the H200: bit for
 bit the recipe of megatron_mok/mxfp8.py, scales row-major and in the sm_100 MMA layout."""
 
 from __future__ import annotations

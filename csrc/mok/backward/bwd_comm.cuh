@@ -16,10 +16,10 @@
 // grad_x (home): once every compute CTA of every rank is done, grad_x[t] = bf16(sum_k grad_buf[t,k])
 //   in fp32, k ascending, slots with idx == -1 skipped; tokens handed out by an atomic cursor.
 #pragma once
-#include "bwd_common.cuh"
-#include "home_reduce.cuh"
-#include "../fp8_quant.cuh"
-#include "../swiglu.cuh"
+#include "backward/bwd_common.cuh"
+#include "backward/home_reduce.cuh"
+#include "quant/fp8_quant.cuh"
+#include "gemm/swiglu.cuh"
 
 namespace mok {
 namespace bwd {

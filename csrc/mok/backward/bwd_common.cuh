@@ -4,12 +4,12 @@
 // schedule, the grid barrier and the timeout helpers read), schedule.cuh (layout), timeout.cuh
 // (every flag wait), gemm_sm90.cuh (WGMMA / TMA / mbarrier atoms), ring_buffer.cuh (row blocks).
 #pragma once
-#include "../common.cuh"
-#include "../gemm_sm90.cuh"
-#include "../peer_sync.cuh"
-#include "../ring_buffer.cuh"
-#include "../timeout.cuh"
-#include "../timeline.cuh"
+#include "common.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/peer_sync.cuh"
+#include "comm/ring_buffer.cuh"
+#include "comm/timeout.cuh"
+#include "timeline.cuh"
 
 namespace mok {
 namespace bwd {
@@ -34,7 +34,7 @@ struct BwdRank {
 };
 
 struct BwdParams {
-  Params base;          // schedule / barrier / timeout fields (see mok_backward.cu)
+  Params base;          // schedule / barrier / timeout fields (see host/backward.cu)
   const BwdRank* br;    // [R]
   const CUtensorMap* tm;
   unsigned* ctr;        // == base.counters

@@ -27,11 +27,11 @@
 //            B = W1^T e4m3 [H, 2F]
 // The SwiGLU backward, dH (bf16, for wgrad) and the dX push are as in bf16.
 #pragma once
-#include "bwd_common.cuh"
-#include "../deferred_release.cuh"
-#include "../fp8_kloop.cuh"
-#include "../fp8_quant.cuh"
-#include "../swiglu.cuh"
+#include "backward/bwd_common.cuh"
+#include "comm/deferred_release.cuh"
+#include "gemm/fp8_kloop.cuh"
+#include "quant/fp8_quant.cuh"
+#include "gemm/swiglu.cuh"
 
 namespace mok {
 namespace bwd {

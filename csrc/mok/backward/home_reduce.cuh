@@ -7,7 +7,7 @@
 // warpgroup's three idle warps, beside its own WGMMAs: the reductions are memory-bound and the wgrad
 // tiles compute-bound, so they come almost for free there, and the dgrad kernel loses its grad_x tail.
 #pragma once
-#include "bwd_common.cuh"
+#include "backward/bwd_common.cuh"
 
 namespace mok {
 namespace bwd {

@@ -18,8 +18,8 @@
 // warps 1-3, idle otherwise, compute the router-weight gradient and the grad_x top-k sum of those home
 // ranks (home_reduce.cuh) while the consumers run the wgrad tiles.
 #pragma once
-#include "bwd_common.cuh"
-#include "home_reduce.cuh"
+#include "backward/bwd_common.cuh"
+#include "backward/home_reduce.cuh"
 
 namespace mok {
 namespace bwd {

@@ -7,7 +7,7 @@
 //
 // Status: compiled for sm_100a on every CI run (tests/test_sm100_compile.py); it cannot run on the
 // H200 we measure on, so its numerics are checked by nothing yet -- megatron_mok/mxfp8.py (mxfp8_linear)
-// is the oracle for the first Blackwell run. The scales it reads are in the layout csrc/mok/mxfp8_quant.cuh
+// is the oracle for the first Blackwell run. The scales it reads are in the layout csrc/mok/quant/mxfp8_quant.cuh
 // writes (kMxScalesSm100), verified against CUTLASS's layout on CPU.
 //
 // Host API (extern "C", no torch):
@@ -33,7 +33,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "host_launch.h"
+#include "host/host_launch.h"
 
 #if !defined(CUTLASS_ARCH_MMA_SM100_SUPPORTED)
 #error "mxfp8_grouped_gemm.cu is the sm_100a unit: compile with -gencode=arch=compute_100a,code=sm_100a"

@@ -12,8 +12,8 @@
 // consumers walk the same list without an info ring. NOT YET RUN ON A GPU.
 #pragma once
 #include "common.cuh"
-#include "gemm_sm90.cuh"
-#include "timeout.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 namespace fp8 {

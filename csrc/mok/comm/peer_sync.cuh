@@ -16,7 +16,7 @@
 //          waited for only after the schedule, so it normally costs no wait.
 #pragma once
 #include "common.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

@@ -21,17 +21,17 @@
 // block (one tile = one block per row) for fc2.
 #pragma once
 #include "common.cuh"
-#include "deferred_release.cuh"
-#include "fp8_kloop.cuh"
-#include "fp8_quant.cuh"
-#include "gemm_sm90.cuh"
-#include "push_combine.cuh"
-#include "peer_sync.cuh"
-#include "pull_dispatch.cuh"
-#include "ring_buffer.cuh"
-#include "swiglu.cuh"
+#include "comm/deferred_release.cuh"
+#include "gemm/fp8_kloop.cuh"
+#include "quant/fp8_quant.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/push_combine.cuh"
+#include "comm/peer_sync.cuh"
+#include "comm/pull_dispatch.cuh"
+#include "comm/ring_buffer.cuh"
+#include "gemm/swiglu.cuh"
 #include "timeline.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

@@ -15,11 +15,11 @@
 // Either way minibatch 0 is pulled by every thread of every CTA of the rank first.
 #pragma once
 #include "common.cuh"
-#include "fp8_quant.cuh"
-#include "push_combine.cuh"
-#include "ring_buffer.cuh"
+#include "quant/fp8_quant.cuh"
+#include "comm/push_combine.cuh"
+#include "comm/ring_buffer.cuh"
 #include "timeline.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

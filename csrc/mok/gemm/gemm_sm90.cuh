@@ -4,7 +4,7 @@
 // Uses CuTe/CUTLASS arch-level atoms only.
 #pragma once
 #include "common.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>

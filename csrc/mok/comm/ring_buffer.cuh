@@ -29,7 +29,7 @@
 // i*M boundaries the DeepSeek-V3 slice, 32 experts, ran ~3 % more tiles at M = 2048).
 #pragma once
 #include "common.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

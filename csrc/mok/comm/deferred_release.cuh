@@ -8,8 +8,8 @@
 // tile may wait, through a ring slot, on this very counter) and when the consumer leaves.
 #pragma once
 #include "common.cuh"
-#include "gemm_sm90.cuh"
-#include "ring_buffer.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/ring_buffer.cuh"
 
 namespace mok {
 

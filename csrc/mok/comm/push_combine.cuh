@@ -8,9 +8,9 @@
 //       fp32, k ascending, unused slots (idx == -1) skipped, rows with no valid k -> 0.
 #pragma once
 #include "common.cuh"
-#include "ring_buffer.cuh"
+#include "comm/ring_buffer.cuh"
 #include "timeline.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

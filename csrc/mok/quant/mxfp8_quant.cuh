@@ -12,7 +12,7 @@
 //             csrc/mok/sm100/sf_layout_probe.cu), so the GEMM reads them without a re-layout pass
 #pragma once
 #include "common.cuh"
-#include "fp8_quant.cuh"
+#include "quant/fp8_quant.cuh"
 
 namespace mok {
 

@@ -1,4 +1,4 @@
-// Host-side helpers shared by the forward and backward launchers (mok_forward.cu, mok_backward.cu):
+// Host-side helpers shared by the forward and backward launchers (host/forward.cu, host/backward.cu):
 // error text, TMA descriptor encoding, pinned staging of the per-launch tables, CUDA error checks
 // (the sm_100 unit, sm100/mxfp8_grouped_gemm.cu, uses its error text).
 // Host code only; each launcher library includes it once.
@@ -15,7 +15,7 @@
 #include <mutex>
 #include <vector>
 
-#include "param_upload.cuh"
+#include "host/param_upload.cuh"
 
 namespace mok_host {
 

@@ -19,7 +19,7 @@
 //                      an fc1 tile; backward: the dH blocks of a dgrad stage-1 tile)
 #pragma once
 #include "common.cuh"
-#include "push_combine.cuh"
+#include "comm/push_combine.cuh"
 
 #include <cuda_fp8.h>
 

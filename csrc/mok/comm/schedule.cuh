@@ -14,7 +14,7 @@
 // the owner needs every source's routing to know what to pull, and it costs T*K*4 bytes per peer.
 #pragma once
 #include "common.cuh"
-#include "timeout.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

@@ -4,9 +4,9 @@
 // [128 rows x 128 e4m3] A and [256 rows x 128 e4m3] B per stage (SW128, one scale block per K step).
 #pragma once
 #include "common.cuh"
-#include "fp8_quant.cuh"
-#include "gemm_sm90.cuh"
-#include "timeout.cuh"
+#include "quant/fp8_quant.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/timeout.cuh"
 
 namespace mok {
 

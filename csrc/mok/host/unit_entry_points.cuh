@@ -1,0 +1,201 @@
+// extern "C" entry points of the forward library's unit kernels (included once, by host/forward.cu): the FP8
+// block-scaled grouped GEMM (gemm/fp8_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh) and the
+// MXFP8 row quantiser (quant/mxfp8_quant.cuh). Host code; every CUDA call checked.
+#pragma once
+#include "gemm/fp8_gemm.cuh"
+#include "host/host_launch.h"
+#include "quant/fp8_weight_quant.cuh"
+#include "quant/mxfp8_quant.cuh"
+
+// =================================================================================================
+// FP8 block-scaled grouped GEMM (gemm/fp8_gemm.cuh): the unit kernel of the FP8 path
+// =================================================================================================
+extern "C" {
+
+struct MokFp8GemmArgs {
+  int L, N, K, device;
+  long long rows;                     // rows of xq / xs / out
+  const long long* counts;            // host [L] rows per expert, segments back to back from row 0
+  unsigned long long xq;              // device e4m3 [rows, K]
+  unsigned long long xs;              // device fp32 [rows, K / 128]
+  const unsigned long long* wq;       // host [L] device e4m3 [N, K]
+  const unsigned long long* ws;       // host [L] device fp32 [N / 128, K / 128]
+  unsigned long long out;             // device bf16 [rows, N]
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;             // device int32[16]
+  double timeout_ms;
+};
+
+}  // extern "C"
+
+namespace {
+
+struct F8Ws {
+  size_t tmaps, ws_ptrs, mtiles, total;
+  long long num_mtiles;
+};
+
+bool fp8_validate(const MokFp8GemmArgs* a, char* eb, int el) {
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
+  if (a->N < 128 || a->N % 128) return !write_err(eb, el, "N=%d must be a positive multiple of 128", a->N);
+  if (a->K < 128 || a->K % 128) return !write_err(eb, el, "K=%d must be a positive multiple of 128", a->K);
+  if (a->rows < 0 || a->rows >= (1LL << 31)) return !write_err(eb, el, "rows=%lld out of range", a->rows);
+  long long sum = 0;
+  for (int e = 0; e < a->L; ++e) {
+    if (a->counts[e] < 0) return !write_err(eb, el, "counts[%d] < 0", e);
+    sum += a->counts[e];
+  }
+  if (sum > a->rows) return !write_err(eb, el, "expert rows sum to %lld > %lld rows of x", sum, a->rows);
+  return true;
+}
+
+F8Ws fp8_plan(const MokFp8GemmArgs* a) {
+  F8Ws w{};
+  for (int e = 0; e < a->L; ++e) w.num_mtiles += (a->counts[e] + mok::fp8::kF8BM - 1) / mok::fp8::kF8BM;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 128); return o; };
+  w.tmaps = take((size_t)(1 + a->L) * sizeof(CUtensorMap));
+  w.ws_ptrs = take((size_t)a->L * sizeof(void*));
+  w.mtiles = take((size_t)std::max<long long>(w.num_mtiles, 1) * sizeof(int4));
+  w.total = off;
+  return w;
+}
+
+}  // namespace
+
+extern "C" {
+
+long long mok_fp8_gemm_workspace_bytes(const MokFp8GemmArgs* a) {
+  if (!fp8_validate(a, nullptr, 0)) return -1;
+  return (long long)fp8_plan(a).total;
+}
+
+int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+  if (!fp8_validate(a, errbuf, errlen)) return 1;
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const F8Ws ws = fp8_plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "fp8 gemm workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  if (ws.num_mtiles == 0) return 0;  // no rows: nothing to write
+  if (!a->xq || !a->xs || !a->out) return write_err(errbuf, errlen, "fp8 gemm: x / scales / out pointer is null");
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.total, stream)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.total);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  const int L = a->L, N = a->N, K = a->K;
+  if (!encode_2d_u8(&maps[0], reinterpret_cast<void*>(a->xq), K, a->rows, K, mok::fp8::kF8BK, mok::fp8::kF8BM,
+                    errbuf, errlen, "fp8 xq"))
+    return 1;
+  const float** wsp = reinterpret_cast<const float**>(host + ws.ws_ptrs);
+  for (int e = 0; e < L; ++e) {
+    if (!a->wq[e] || !a->ws[e]) return write_err(errbuf, errlen, "fp8 gemm: expert %d weight / scale pointer is null", e);
+    if (!encode_2d_u8(&maps[1 + e], reinterpret_cast<void*>(a->wq[e]), K, N, K, mok::fp8::kF8BK, mok::fp8::kF8BN,
+                      errbuf, errlen, "fp8 wq"))
+      return 1;
+    wsp[e] = reinterpret_cast<const float*>(a->ws[e]);
+  }
+  int4* mt = reinterpret_cast<int4*>(host + ws.mtiles);
+  long long row = 0, i = 0;
+  for (int e = 0; e < L; ++e) {
+    for (long long r = 0; r < a->counts[e]; r += mok::fp8::kF8BM)
+      mt[i++] = make_int4(e, (int)(row + r), (int)std::min<long long>(mok::fp8::kF8BM, a->counts[e] - r), 0);
+    row += a->counts[e];
+  }
+  uint8_t* dev = reinterpret_cast<uint8_t*>(a->workspace);
+  mok::fp8::F8GemmParams P{};
+  P.base.R = 1;
+  P.base.L = L;
+  P.base.nparts = 1;
+  P.base.stall_rank = P.base.stall_slot = -1;
+  P.base.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
+  P.base.err = reinterpret_cast<int*>(a->err);
+  P.N = N;
+  P.K = K;
+  P.n_tiles = N / mok::fp8::kF8BN;
+  const long long tiles = ws.num_mtiles * P.n_tiles;
+  if (tiles >= (1LL << 31)) return write_err(errbuf, errlen, "fp8 gemm: %lld tiles", tiles);
+  P.num_tiles = (int)tiles;
+  P.mtiles = reinterpret_cast<const int4*>(dev + ws.mtiles);
+  P.tm = reinterpret_cast<const CUtensorMap*>(dev + ws.tmaps);
+  P.xs = reinterpret_cast<const float*>(a->xs);
+  P.ws = reinterpret_cast<const float* const*>(dev + ws.ws_ptrs);
+  P.out = reinterpret_cast<__nv_bfloat16*>(a->out);
+  const int smem = mok::fp8::fp8_gemm_smem_bytes() + 1024;
+  static int cached_smem[64] = {0};
+  if (cached_smem[a->device & 63] != smem) {
+    MOK_CUDA_CHECK(
+        cudaFuncSetAttribute(mok::fp8::mok_fp8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cached_smem[a->device & 63] = smem;
+  }
+  MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
+  const unsigned grid = (unsigned)std::min<long long>(num_sms, tiles);
+  mok::fp8::mok_fp8_gemm_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// FP8 weight quantisation (quant/fp8_weight_quant.cuh): once per optimizer step, bit-identical to the oracle
+// =================================================================================================
+extern "C" {
+
+int mok_fp8_quantize_weight(unsigned long long w, long long ld, int N, int K, unsigned long long q,
+                            unsigned long long s, int device, void* stream_ptr, char* errbuf, int errlen) {
+  if (N < 128 || K < 128 || N % 128 || K % 128)
+    return write_err(errbuf, errlen, "fp8 weight [%d, %d]: both sizes must be positive multiples of 128", N, K);
+  if (ld < K || ld % 8) return write_err(errbuf, errlen, "fp8 weight: row stride %lld must be >= K and a multiple of 8", ld);
+  if (!w || !q || !s || w % 16 || q % 16)
+    return write_err(errbuf, errlen, "fp8 weight: null or not 16-byte aligned weight / output pointer");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  mok::mok_fp8_quantize_weight_kernel<<<dim3((unsigned)(K / 128), (unsigned)(N / 128)), 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(w), ld, K, reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(s));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
+
+
+// =================================================================================================
+// MXFP8 rows (quant/mxfp8_quant.cuh): the Blackwell recipe's quantiser as a unit, runnable on any arch
+// =================================================================================================
+extern "C" {
+
+// sf_layout: 0 row-major [M][H/32] bytes; 1 the sm_100 MMA's scale-factor layout (sf_bytes: its size,
+// rows padded to 128 and scales per row to 4 -- megatron_mok/mxfp8.py sm100_sf_bytes).
+int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, unsigned long long q,
+                            unsigned long long sf, long long sf_bytes, int sf_layout, int device, void* stream_ptr,
+                            char* errbuf, int errlen) {
+  if (M < 0 || H < 32 || H % 32)
+    return write_err(errbuf, errlen, "mxfp8 rows [%d, %d]: H must be a positive multiple of 32", M, H);
+  if (ld < H || ld % 8) return write_err(errbuf, errlen, "mxfp8 rows: row stride %lld must be >= H and a multiple of 8", ld);
+  if (sf_layout != mok::kMxScalesRowMajor && sf_layout != mok::kMxScalesSm100)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale layout %d is not 0 (row-major) or 1 (sm_100)", sf_layout);
+  const long long nkb = H / 32;
+  const long long need = sf_layout == mok::kMxScalesRowMajor ? (long long)M * nkb
+                                                             : (long long)((M + 127) / 128) * ((nkb + 3) / 4) * 512;
+  if (sf_bytes < need)
+    return write_err(errbuf, errlen, "mxfp8 rows: scale buffer of %lld bytes, the layout needs %lld", sf_bytes, need);
+  if (M == 0) return 0;
+  if (!x || !q || !sf || x % 16 || q % 8)
+    return write_err(errbuf, errlen, "mxfp8 rows: null or misaligned pointer (x 16-byte, q 8-byte)");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
+  const int blocks = (int)std::min<long long>(((long long)M + 7) / 8, 65535);
+  mok::mok_mxfp8_quantize_rows_kernel<<<blocks, 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x), ld, M, H, reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(sf),
+      sf_layout);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // extern "C"
