@@ -29,21 +29,13 @@
 #pragma once
 #include "backward/bwd_common.cuh"
 #include "comm/deferred_release.cuh"
+#include "gemm/bf16_kloop.cuh"
 #include "gemm/fp8_kloop.cuh"
 #include "quant/fp8_quant.cuh"
 #include "gemm/swiglu.cuh"
 
 namespace mok {
 namespace bwd {
-
-using Wgmma128 = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
-__device__ __forceinline__ void wgmma_64x128x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
-  wgmma_atom<Wgmma128, 64>(da, db, d, accumulate);
-}
-__device__ __forceinline__ void fence_acc64(float* d) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
-}
 
 struct BTile {
   int kind;  // 0 exit, 1 stage 1 (dH), 2 stage 2 (dX)
@@ -241,6 +233,28 @@ __device__ __forceinline__ int sw128_offset(int r, int c) { return r * 128 + (((
 
 // ------------------------------------------------------------------------------------------------
 // Recompute variant (no saved h): stage 1 = loop G (fc1 recompute) + loop D (dA, n128), see above.
+// The end of a stage-1 tile (both consumers): its dh rows, stored generically or by TMA, fenced for the TMA
+// loads of the stage-2 tiles that read them (maybe on other SMs), then counted.
+__device__ __forceinline__ void finish_stage1(const BwdParams& P, int q, const BTile& ti, bool rec,
+                                              unsigned long long t_epi) {
+  fence_proxy_async_global();
+  named_bar_sync(1, 256);
+  if (threadIdx.x == 128) {
+    __threadfence();
+    red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
+  }
+  if (rec) timeline_record(P.base, kTlBwdStage1Epi, (unsigned)ti.mb, t_epi, globaltimer_ns());
+}
+
+// A stage-2 tile's epilogue (both consumers): its dX rows pushed to their home ranks.
+__device__ __forceinline__ void stage2_push(const BwdParams& P, int q, const BTile& ti, float* acc, int r_lo, int lane,
+                                            DeferredRelease& rel, bool rec, unsigned long long t_tile) {
+  const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
+  if (rec) timeline_record(P.base, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
+  push_dx_tile(P, q, ti, acc, r_lo, lane, rel);
+  if (rec) timeline_record(P.base, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
+}
+
 template <bool kGlu>
 __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc) {
   const Params& B = P.base;
@@ -277,45 +291,12 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
     const int nkD = ti.kind == 1 ? ceil_div(H, kBK) : 0;
     const int r_lo = wgc * 64 + warp_in_wg * 16 + (lane >> 2);
     int prev = 0;
-    for (int kb = 0; kb < nkG; ++kb) {
-      mbar_wait(B, &sm.full[st], ph, q, 4);
-      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
-      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-      const uint64_t da = make_smem_desc_sw128(a_s);
-      const uint64_t db = make_smem_desc_sw128(b_s);
-      fence_acc(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
+    auto flush_held = [&](int kb) {
       if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      cute::warpgroup_wait<1>();
-      fence_acc(acc);
-      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
-      prev = st;
-      if (++st == kStages) { st = 0; ph ^= 1u; }
-    }
+    };
+    bf16_kloop<256>(B, q, sm, wgc, nkG, acc, st, ph, prev, flush_held);
     // loop X (stage 2, K = 2F): B = W1 as stored (MN-major)
-    for (int kb = 0; kb < nkX; ++kb) {
-      mbar_wait(B, &sm.full[st], ph, q, 4);
-      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
-      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-      const uint64_t da = make_smem_desc_sw128(a_s);
-      const uint64_t db = make_smem_desc_sw128_mn(b_s);
-      fence_acc(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_64x256x16_bmn(da + (uint64_t)(2 * kk), db + kMnDescK16Step * kk, acc, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
-      if (kb == 0 && threadIdx.x == 128) rel.flush();  // the previous tile's release, MMAs in flight
-      cute::warpgroup_wait<1>();
-      fence_acc(acc);
-      if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
-      prev = st;
-      if (++st == kStages) { st = 0; ph ^= 1u; }
-    }
+    bf16_kloop<256, true>(B, q, sm, wgc, nkX, acc, st, ph, prev, flush_held);
     cute::warpgroup_wait<0>();  // unconditional (no-op without loop G / X): keeps the compiler's wgmma tracking simple
     fence_acc(acc);
     if (nkG + nkX > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -364,24 +345,7 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           if (r < ti.rows && c < F) *reinterpret_cast<uint4*>(actp + row * F + c) = va;
         }
       }
-      for (int kb = 0; kb < nkD; ++kb) {
-        mbar_wait(B, &sm.full[st], ph, q, 4);
-        const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
-        const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-        const uint64_t da = make_smem_desc_sw128(a_s);
-        const uint64_t db = make_smem_desc_sw128(b_s);
-        fence_acc64(acc);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk)
-          wgmma_64x128x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();
-        fence_acc64(acc);
-        if (kb > 0 && lt == 0) Barrier::arrive(&sm.empty[prev]);
-        prev = st;
-        if (++st == kStages) { st = 0; ph ^= 1u; }
-      }
+      bf16_kloop<128>(B, q, sm, wgc, nkD, acc, st, ph, prev);
       cute::warpgroup_wait<0>();
       fence_acc64(acc);
       if (lt == 0) Barrier::arrive(&sm.empty[prev]);
@@ -420,18 +384,9 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
           }
         }
       }
-      fence_proxy_async_global();  // dh is read next by TMA (stage-2 tiles, maybe other SMs)
-      named_bar_sync(1, 256);
-      if (threadIdx.x == 128) {
-        __threadfence();
-        red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
-      }
-      if (rec) timeline_record(B, kTlBwdStage1Epi, (unsigned)ti.mb, t_epi, globaltimer_ns());
+      finish_stage1(P, q, ti, rec, t_epi);  // dh is read next by TMA (stage-2 tiles, maybe other SMs)
     } else {
-      const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
-      if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
-      push_dx_tile(P, q, ti, acc, r_lo, lane, rel);
-      if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
+      stage2_push(P, q, ti, acc, r_lo, lane, rel, rec, t_tile);
     }
   }
 }
@@ -633,18 +588,9 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
       // dh must be globally visible before s1_done: TMA stores complete, generic stores fenced; both
       // are read next by TMA (stage-2 tiles, maybe other SMs)
       if (wg_rows == 64 && lt == 0) tma_store_wait_all();
-      fence_proxy_async_global();
-      named_bar_sync(1, 256);
-      if (threadIdx.x == 128) {
-        __threadfence();
-        red_release_gpu_add(c_s1_done(P, q, ti.mb, ti.mt), 1u);
-      }
-      if (rec) timeline_record(B, kTlBwdStage1Epi, (unsigned)ti.mb, t_epi, globaltimer_ns());
+      finish_stage1(P, q, ti, rec, t_epi);
     } else {
-      const unsigned long long t_push = rec ? globaltimer_ns() : 0ull;
-      if (rec) timeline_record(B, kTlBwdStage2, (unsigned)ti.mb, t_tile, t_push);
-      push_dx_tile(P, q, ti, acc, r_lo, lane, rel);
-      if (rec) timeline_record(B, kTlBwdPush, (unsigned)ti.mb, t_push, globaltimer_ns());
+      stage2_push(P, q, ti, acc, r_lo, lane, rel, rec, t_tile);
     }
   }
 }

@@ -22,6 +22,7 @@
 #pragma once
 #include "common.cuh"
 #include "comm/deferred_release.cuh"
+#include "gemm/bf16_kloop.cuh"
 #include "gemm/fp8_kloop.cuh"
 #include "quant/fp8_quant.cuh"
 #include "gemm/gemm_sm90.cuh"
@@ -66,8 +67,6 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   return s;
 }
 
-// A consumer warpgroup is done with stage st: its producer may refill it.
-__device__ __forceinline__ void release_stage(const ComputeSmem& sm, int st) { Barrier::arrive(&sm.empty[st]); }
 
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
 // makes ptxas drop the setmaxnreg budget (224) back to the launch bound (168 registers, spills).
@@ -326,30 +325,13 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     } else {
     const int nk = ti.kind == 1 ? ceil_div(H, kBK) : ceil_div(F, kBK);
     int prev = 0;
-    for (int kb = 0; kb < nk; ++kb) {
-      MOK_PROGRESS(0x23000000u | (unsigned)(kb & 0xFFFF));
-      mbar_wait(P, &sm.full[st], ph, q, 4);
-      const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
-      const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-      const uint64_t da = make_smem_desc_sw128(a_s);
-      const uint64_t db = make_smem_desc_sw128(b_s);
-      fence_acc(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk)
-        wgmma_64x256x16(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
-      cute::warpgroup_commit_batch();
+    bf16_kloop<256>(P, q, sm, wgc, nk, acc, st, ph, prev, [&](int kb) {
       if (kb == (nk > 1 ? 1 : 0)) {  // two groups in flight: block 0's landed the layout loads
         resolve_push();
         if (lt == 0) rel.flush();  // the previous fc2 / fc1 tile's release, the fences hidden by MMAs
         act_rel.flush(wg_bar, lt);
       }
-      cute::warpgroup_wait<1>();
-      fence_acc(acc);
-      if (kb > 0 && lt == 0) release_stage(sm, prev);
-      prev = st;
-      if (++st == kStages) { st = 0; ph ^= 1u; }
-    }
+    });
     cute::warpgroup_wait<0>();
     fence_acc(acc);
     if (lt == 0) release_stage(sm, prev);

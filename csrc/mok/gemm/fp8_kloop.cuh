@@ -29,16 +29,6 @@ namespace mok {
 // Ablation build only, MOK_DEBUG bit 64: no drain per K block (wait<1> after the issue as in the bf16 loop;
 // no rescale, results wrong): the FP8 tensor-core rate of this loop without the promotion (H200: 0.907 vs
 // 1.115 us per fc1 K block of the ablation build's baseline; without only the FMULs, bit 32: 0.974 us).
-//
-// Stage st of the ring is free for its producer again (the forward's ComputeSmem has its own overload,
-// expert_ffn.cuh).
-template <class Smem>
-__device__ __forceinline__ void release_stage(const Smem& sm, int st) {
-  Barrier::arrive(&sm.empty[st]);
-}
-struct NoHook {
-  __device__ __forceinline__ void operator()(int) const {}
-};
 
 template <class Smem, class Hook = NoHook>
 __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem& sm, int wgc, int nk,

@@ -61,6 +61,7 @@ __device__ __forceinline__ void wgmma_atom(uint64_t da, uint64_t db, float* d, b
 
 namespace gmma = cute::SM90::GMMA;
 using Wgmma256 = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+using Wgmma128 = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
 using Wgmma256BMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 using Wgmma256MnMn = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
 // FP8 WGMMA takes K-major operands only; one k32 step is 32 B of each SW128 row, like a bf16 k16 step.
@@ -74,6 +75,10 @@ __device__ __forceinline__ void wgmma_64x256x16(uint64_t da, uint64_t db, float*
 // as wgmma_64x256x16 with B MN-major (descriptor from make_smem_desc_sw128_mn)
 __device__ __forceinline__ void wgmma_64x256x16_bmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
   wgmma_atom<Wgmma256BMn, 128>(da, db, d, accumulate);
+}
+// d[64] += A(64x16, smem) * B(128x16, smem)^T (the backward's 128-column dA tiles)
+__device__ __forceinline__ void wgmma_64x128x16(uint64_t da, uint64_t db, float* d, bool accumulate) {
+  wgmma_atom<Wgmma128, 64>(da, db, d, accumulate);
 }
 // as wgmma_64x256x16 with A and B both MN-major (reductions over the rows of row-major buffers: wgrad)
 __device__ __forceinline__ void wgmma_64x256x16_mnmn(uint64_t da, uint64_t db, float* d, bool accumulate) {
@@ -101,6 +106,10 @@ __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(d[i]);
 }
+__device__ __forceinline__ void fence_acc64(float* d) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) cute::warpgroup_fence_operand(d[i]);
+}
 
 
 // TMA 2-D load: box at (c0 = inner/K coordinate, c1 = row coordinate) into smem, completing on bar.
@@ -126,5 +135,16 @@ __device__ __forceinline__ void tma_store_wait_read0() { asm volatile("cp.async.
 __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // generic-proxy smem writes of this thread -> visible to the async proxy (a following TMA store)
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Stage st of a consumer's stage ring is free for its producer again (Smem: the kernel's carve of its shared
+// memory, with the ring's `empty` barriers).
+template <class Smem>
+__device__ __forceinline__ void release_stage(const Smem& sm, int st) {
+  Barrier::arrive(&sm.empty[st]);
+}
+// A K loop's after_issue hook that does nothing.
+struct NoHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
 
 }  // namespace mok

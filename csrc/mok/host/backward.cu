@@ -4,6 +4,7 @@
 // mok_wgrad_workspace_bytes, mok_wgrad_launch, mok_bwd_version.
 #include "backward/backward_kernel.cuh"
 #include "host/host_launch.h"
+#include "host/persistent_launch.h"
 
 #include <algorithm>
 #include <cstdarg>
@@ -201,35 +202,19 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   if (a->act_kept && !a->saved_h)
     return write_err(errbuf, errlen, "act_kept needs saved_h (the recompute path writes act in its stage-1 epilogue)");
   if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, errbuf, errlen)) return 1;
-  MOK_CUDA_CHECK(cudaSetDevice(a->device));
-  int num_sms = 0, max_blocks = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  PersistentGrid grid;
+  if (persistent_grid(a->device, np, a->ctas_per_rank, a->comm_sms, &grid, errbuf, errlen)) return 1;
+  const int cpr = grid.cpr;
   const BwdWs ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
-  if (cpr < 2 || cpr - a->comm_sms < 1)
-    return write_err(errbuf, errlen,
-                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM", np,
-                     num_sms, cpr, a->comm_sms);
   const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
   const int variant = (a->fp8 ? 1 : 0) + (a->glu ? 2 : 0);
   using KernelFn = void (*)(mok::bwd::BwdParams);
   static const KernelFn kernels[4] = {mok::bwd::mok_backward_kernel<false, false>, mok::bwd::mok_backward_kernel<true, false>,
                                       mok::bwd::mok_backward_kernel<false, true>, mok::bwd::mok_backward_kernel<true, true>};
   const KernelFn kernel = kernels[variant];
-  static int cached_smem[4][64] = {{0}}, cached_blocks[4][64] = {{0}};
-  const int dslot = a->device & 63;
-  if (cached_smem[variant][dslot] != smem) {
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOK_CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[variant][dslot], kernel, mok::kThreads, smem));
-    cached_smem[variant][dslot] = smem;
-  }
-  max_blocks = cached_blocks[variant][dslot];
-  if ((long long)np * cpr > (long long)max_blocks * num_sms)
-    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
-                     max_blocks);
+  if (check_coresident(reinterpret_cast<const void*>(kernel), a->device, smem, np, grid, errbuf, errlen)) return 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   const size_t hbytes = ws.layout;  // tensor maps + rank tables
@@ -374,47 +359,17 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   P.x_kept = a->x_kept ? 1 : 0;
   P.act_kept = a->act_kept ? 1 : 0;
 
-  MOK_CUDA_CHECK(stg.upload(wsp, hbytes, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
-  if (a->timeline)
-    MOK_CUDA_CHECK(cudaMemsetAsync(B.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
-
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(np * cpr));
-  cfg.blockDim = dim3(mok::kThreads);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
-  MOK_CUDA_CHECK(cudaGetLastError());
-  return 0;
+  const LaunchState state{&stg, wsp, hbytes, ws.zero_begin, ws.zero_end, reinterpret_cast<int*>(a->err),
+                          a->timeline ? B.timeline_count : nullptr};
+  return launch_persistent(kernel, P, (unsigned)(np * cpr), smem, stream, state, errbuf, errlen);
 }
 
 }  // namespace
 
-extern "C" {
-
-// Emulated EP: all R ranks' partitions in one launch on one GPU (a->rank is ignored).
-int mok_bwd_emulated_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
-  MokBwdArgs b = *a;
-  b.rank = -1;
-  return backward_launch(&b, stream_ptr, errbuf, errlen);
-}
-
-// Per-rank launch of rank a->rank (real EP: one per GPU over symmetric memory). Every rank must launch
-// with the same epoch and token count; the kernel meets the peers on their signal pads (start: inputs
-// published; done: every rank's dX pushes landed) and reports a peer that never arrives.
-int mok_bwd_rank_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
-  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
-  return backward_launch(a, stream_ptr, errbuf, errlen);
-}
-
-}  // extern "C"
+// Emulated EP (all ranks' partitions in one launch on one GPU) and per-rank launches (real EP: one per GPU over
+// symmetric memory; every rank launches with the same epoch and token count, and the kernel reports a peer that
+// never arrives).
+MOK_PERSISTENT_ENTRY_POINTS(mok_bwd, MokBwdArgs, backward_launch)
 
 // =================================================================================================
 // wgrad (backward/wgrad.cuh): dW1 = dH^T x, dW2 = gy^T act per local expert, after the dgrad launch

@@ -8,6 +8,7 @@
 //   weight quantiser and the MXFP8 row quantiser.
 #include "forward/forward_kernel.cuh"
 #include "host/host_launch.h"
+#include "host/persistent_launch.h"
 
 #include <algorithm>
 #include <climits>
@@ -273,17 +274,12 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
       if (!a->signal[r]) return write_err(errbuf, errlen, "signal pad of rank %d is null", r);
   }
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
-  MOK_CUDA_CHECK(cudaSetDevice(a->device));
-  int num_sms = 0, max_blocks = 0;
-  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  PersistentGrid grid;
+  if (persistent_grid(a->device, np, a->ctas_per_rank, a->comm_sms, &grid, errbuf, errlen)) return 1;
+  const int cpr = grid.cpr;
   const WsLayout ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  int cpr = a->ctas_per_rank > 0 ? a->ctas_per_rank : num_sms / np;
-  if (cpr < 2 || cpr - a->comm_sms < 1)
-    return write_err(errbuf, errlen,
-                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
-                     np, num_sms, cpr, a->comm_sms);
   const int smem = mok_smem_bytes(ws.E);
   // The lean kernel instance unless this launch uses an optional feature (common.cuh: FwdFeature)
   const int fast_silu = a->fp8 ? a->fast_silu : 0;  // validated
@@ -299,28 +295,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
                                       mok::mok_forward_kernel<false, mok::kFeatAll>,
                                       mok::mok_forward_kernel<true, mok::kFeatAll>};
   const KernelFn kernel = kernels[v];
-  static int cached_smem[6][64] = {{0}}, cached_blocks[6][64] = {{0}};  // per variant and device: set once per size
-  const int dslot = a->device & 63;
-  if (cached_smem[v][dslot] != smem) {
-    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached_blocks[v][dslot], kernel, mok::kThreads, smem));
-    cached_smem[v][dslot] = smem;
-  }
-  max_blocks = cached_blocks[v][dslot];
-  if ((long long)np * cpr > (long long)max_blocks * num_sms)
-    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, cpr, num_sms,
-                     max_blocks);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(np * cpr));
-  cfg.blockDim = dim3(mok::kThreads);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  // Cooperative launch guarantees co-residency of the grid (1 CTA per SM, checked above).
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  if (check_coresident(reinterpret_cast<const void*>(kernel), a->device, smem, np, grid, errbuf, errlen)) return 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
   // Host staging of tensor maps + rank table (one H2D copy) from the pinned staging pool
@@ -472,37 +447,15 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->timeline && (a->timeline_cap < 1 || !a->timeline_count))
     return write_err(errbuf, errlen, "timeline buffer needs timeline_cap >= 1 and a count array");
 
-  MOK_CUDA_CHECK(stg.upload(wsp, ws.ring, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(wsp + ws.zero_begin, 0, ws.zero_end - ws.zero_begin, stream));
-  MOK_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<void*>(a->err), 0, 8 * sizeof(int), stream));
-  if (a->timeline)
-    MOK_CUDA_CHECK(cudaMemsetAsync(P.timeline_count, 0, (size_t)np * cpr * sizeof(unsigned), stream));
-
-  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
-  MOK_CUDA_CHECK(cudaGetLastError());
-  return 0;
+  const LaunchState state{&stg, wsp, ws.ring, ws.zero_begin, ws.zero_end, P.err, a->timeline ? P.timeline_count : nullptr};
+  return launch_persistent(kernel, P, (unsigned)(np * cpr), smem, stream, state, errbuf, errlen);
 }
 
 }  // namespace
 
-extern "C" {
-
-// Emulated EP: all R ranks' partitions in one launch on one GPU (a->rank is ignored).
-int mok_forward_emulated_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
-  MokLaunchArgs b = *a;
-  b.rank = -1;
-  return forward_launch(&b, stream_ptr, errbuf, errlen);
-}
-
-// Per-rank launch of rank a->rank (real EP: one per GPU, x/idx/combine/signal are symmetric-memory
-// peer pointers; w1/w2/w1_ld/w2_ld hold this rank's L experts only). Every rank must launch with the
-// same epoch and token count; the kernel meets the peers on their signal pads and reports a peer
-// that never arrives (timeout) or announces another token count.
-int mok_forward_rank_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
-  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
-  return forward_launch(a, stream_ptr, errbuf, errlen);
-}
-
-}  // extern "C"
+// Emulated EP (all ranks' partitions in one launch on one GPU) and per-rank launches (real EP: one per GPU over
+// symmetric memory; every rank launches with the same epoch and token count, and the kernel reports a peer that
+// never arrives).
+MOK_PERSISTENT_ENTRY_POINTS(mok_forward, MokLaunchArgs, forward_launch)
 
 #include "host/unit_entry_points.cuh"

@@ -1,0 +1,124 @@
+// The launch of a persistent megakernel, shared by the forward and the backward launcher (host/forward.cu,
+// host/backward.cu): the grid of np rank partitions x cpr CTAs per rank, one CTA per SM, every CTA co-resident
+// (the kernels wait on each other through grid barriers and flags), launched cooperatively after the per-launch
+// state is reset on the same stream. Host code only.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "common.cuh"
+#include "host/host_launch.h"
+
+namespace mok_host {
+
+// The grid of one launch: the device's SMs, and CTAs per rank partition (ctas_per_rank, or an even split of the
+// SMs when 0). Refuses a split that leaves no compute SM.
+struct PersistentGrid {
+  int num_sms = 0;
+  int cpr = 0;
+};
+
+inline int persistent_grid(int device, int np, int ctas_per_rank, int comm_sms, PersistentGrid* g, char* errbuf,
+                           int errlen) {
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&g->num_sms, cudaDevAttrMultiProcessorCount, device));
+  g->cpr = ctas_per_rank > 0 ? ctas_per_rank : g->num_sms / np;
+  if (g->cpr < 2 || g->cpr - comm_sms < 1)
+    return write_err(errbuf, errlen,
+                     "%d rank(s) in this launch on %d SMs give %d CTAs per rank; comm_sms=%d leaves no compute SM",
+                     np, g->num_sms, g->cpr, comm_sms);
+  return 0;
+}
+
+// Blocks of `kernel` one SM holds at `smem` bytes of dynamic shared memory on `device`, the kernel's shared-memory
+// limit raised first; both asked once per (kernel, device, size), not on every launch.
+inline int kernel_occupancy(const void* kernel, int device, int smem, int* blocks, char* errbuf, int errlen) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, std::pair<int, int>> known;  // (kernel, device) -> (smem, blocks)
+  std::lock_guard<std::mutex> lock(mu);
+  auto& entry = known[{kernel, device}];
+  if (entry.first != smem) {
+    MOK_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MOK_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&entry.second, kernel, mok::kThreads, smem));
+    entry.first = smem;
+  }
+  *blocks = entry.second;
+  return 0;
+}
+
+// Refuses a grid of np x cpr CTAs that the device cannot hold at once (a persistent kernel would wait for CTAs
+// that never start).
+inline int check_coresident(const void* kernel, int device, int smem, int np, const PersistentGrid& g, char* errbuf,
+                            int errlen) {
+  int blocks = 0;
+  if (kernel_occupancy(kernel, device, smem, &blocks, errbuf, errlen)) return 1;
+  if ((long long)np * g.cpr > (long long)blocks * g.num_sms)
+    return write_err(errbuf, errlen, "grid %d x %d CTAs cannot be co-resident (%d SMs x %d)", np, g.cpr, g.num_sms,
+                     blocks);
+  return 0;
+}
+
+// The per-launch state, in stream order before the kernel: the staged tables (tensor maps, rank tables), the
+// workspace's counters [zero_begin, zero_end), the error record, and the timeline's per-CTA counts (if any).
+struct LaunchState {
+  StagingLease* staged;
+  uint8_t* workspace;
+  size_t staged_bytes, zero_begin, zero_end;
+  int* err;                  // int32[8]
+  unsigned* timeline_count;  // [grid] or nullptr
+};
+
+// Resets `s` and launches kernel<<<grid, kThreads, smem, stream>>>(P) cooperatively (co-residency was checked).
+template <class Params>
+inline int launch_persistent(void (*kernel)(Params), const Params& P, unsigned grid, int smem, cudaStream_t stream,
+                             const LaunchState& s, char* errbuf, int errlen) {
+  MOK_CUDA_CHECK((*s.staged).upload(s.workspace, s.staged_bytes, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(s.workspace + s.zero_begin, 0, s.zero_end - s.zero_begin, stream));
+  MOK_CUDA_CHECK(cudaMemsetAsync(s.err, 0, 8 * sizeof(int), stream));
+  if (s.timeline_count) MOK_CUDA_CHECK(cudaMemsetAsync(s.timeline_count, 0, (size_t)grid * sizeof(unsigned), stream));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(mok::kThreads);
+  cfg.dynamicSmemBytes = (size_t)smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // co-residency of the grid, guaranteed (checked above)
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  MOK_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, P));
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+// The two entry points every persistent kernel has: all ranks' partitions in one launch on one GPU (emulated EP,
+// rank -1), or the launch of rank args->rank (real EP: one per GPU over symmetric memory; every rank must launch
+// with the same epoch and token count, and the kernel meets the peers on their signal pads).
+template <class Args>
+inline int launch_emulated(int (*launch)(const Args*, void*, char*, int), const Args* a, void* stream, char* errbuf,
+                           int errlen) {
+  Args b = *a;
+  b.rank = -1;
+  return launch(&b, stream, errbuf, errlen);
+}
+template <class Args>
+inline int launch_rank(int (*launch)(const Args*, void*, char*, int), const Args* a, void* stream, char* errbuf,
+                       int errlen) {
+  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
+  return launch(a, stream, errbuf, errlen);
+}
+
+}  // namespace mok_host
+
+// The extern "C" pair of a persistent kernel's library, NAME_emulated_launch and NAME_rank_launch (see
+// launch_emulated / launch_rank), over its launcher int LAUNCH(const ARGS*, void* stream, char* errbuf, int errlen).
+#define MOK_PERSISTENT_ENTRY_POINTS(NAME, ARGS, LAUNCH)                                         \
+  extern "C" int NAME##_emulated_launch(const ARGS* a, void* stream, char* errbuf, int errlen) { \
+    return mok_host::launch_emulated(LAUNCH, a, stream, errbuf, errlen);                       \
+  }                                                                                              \
+  extern "C" int NAME##_rank_launch(const ARGS* a, void* stream, char* errbuf, int errlen) {     \
+    return mok_host::launch_rank(LAUNCH, a, stream, errbuf, errlen);                           \
+  }
