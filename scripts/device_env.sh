@@ -1,4 +1,4 @@
-# Sourced (from the repository root) by the device-machine scripts (run_gpu_suite.sh, run_timelines.sh): the
+# Sourced (from the repository root) by the device-machine scripts (run_gpu_suite.sh): the
 # log directory OUT, the build cache, and the carried wheels (.whl/, the device image has no megatron-core
 # or CUTLASS headers) installed into /tmp/site. Sets MOK_SITE to "/tmp/site:" (or "" without wheels), the
 # prefix of a tree's PYTHONPATH.
