@@ -39,9 +39,16 @@ MAX_EP_RANKS = 72
 
 
 class MokConfigError(ValueError):
-    """A MoK config is malformed or does not fit the model it is used with."""
+    """A MoK config is malformed or does not fit the model it is used with.
 
-    def __init__(self, source: str, key: str, reason: str) -> None:
+    ``MokConfigError(source, key, reason)``; ``MokConfigError(message)`` too, as Megatron's ``build_module`` re-raises
+    an exception (``type(e)(f"{e} when instantiating ...")``), so the message reaches the user unchanged."""
+
+    def __init__(self, source: str, key: str | None = None, reason: str | None = None) -> None:
+        if key is None or reason is None:
+            self.source, self.key, self.reason = "", "", source
+            super().__init__(source)
+            return
         self.source = source
         self.key = key
         self.reason = reason
