@@ -1,6 +1,6 @@
 """Packaging hooks: ship csrc/ inside the package, and build the CUDA kernel where we can.
 
-The kernel is a torch-independent shared library compiled by nvcc (megatron_mok/kernel/build.py).
+The kernel is a torch-independent shared library compiled by nvcc (megatron_mok/kernel/host/build.py).
 ``pip install`` builds it when CUDA torch, nvcc and the CUTLASS headers are all present
 (set MOK_BUILD_KERNEL=0 to skip, =1 to make a failed build an install error); otherwise the
 package installs without it and builds it on first use, or runs the PyTorch reference.
@@ -35,7 +35,7 @@ def _maybe_build_kernel(package_root: Path) -> None:
         return
     sys.path.insert(0, str(package_root))
     try:
-        from megatron_mok.kernel import build
+        from megatron_mok.kernel.host import build
 
         if build.find_nvcc() is None or build.cutlass_include() is None:
             raise RuntimeError("nvcc or the CUTLASS headers (pip install --no-deps nvidia-cutlass==4.2.0.0) not found")

@@ -1,6 +1,6 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
 of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, and the block-scaled
-grouped GEMM unit ``megatron_mok.kernel.fp8_gemm``), and of the FP8 dgrad still to be built
+grouped GEMM unit ``megatron_mok.kernel.gemm``), and of the FP8 dgrad still to be built
 (``fp8_expert_ffn_backward``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the

@@ -54,7 +54,7 @@ class KernelBackend:
         if dtype not in ("bf16", "fp8"):
             raise ValueError(f"KernelBackend dtype must be 'bf16' or 'fp8', got {dtype!r}")
         self.dtype = dtype
-        self._fp8_cache = None  # kernel.fp8_weights.Fp8WeightCache (dtype fp8)
+        self._fp8_cache = None  # kernel.quant.Fp8WeightCache (dtype fp8)
         if comm_sms < 0 or backward_comm_sms < 0 or not (backward_comm_sms or comm_sms):
             raise ValueError(
                 f"KernelBackend needs comm_sms >= 0 and backward_comm_sms >= 0, and backward_comm_sms >= 1 when "
@@ -65,7 +65,7 @@ class KernelBackend:
         # the backward kernel's minibatch (config kernel.backward_minibatch_tokens); 0: the forward's ring
         self.backward_minibatch_tokens = backward_minibatch_tokens
         self.timeout_ms = timeout_ms
-        self.tuning = tuning  # kernel.cargs.ForwardTuning of the config (None: the defaults)
+        self.tuning = tuning  # kernel.host.cargs.ForwardTuning of the config (None: the defaults)
         self.owner_capacity_factor = owner_capacity_factor  # config kernel.owner_capacity_factor (EP > 1)
         # "lazy" (default): no host sync; a kernel error is raised by the next MoK call or in backward.
         # MOK_DEBUG=sync: synchronise after every launch and raise at once (debugging).
@@ -101,7 +101,7 @@ class KernelBackend:
         (``transposed``: with the FP8 dgrad's W^T copies, made once per weight version)."""
         if self.dtype != "fp8":
             return None
-        from .kernel.fp8_weights import Fp8WeightCache
+        from .kernel.quant import Fp8WeightCache
 
         if self._fp8_cache is None:
             self._fp8_cache = Fp8WeightCache()
@@ -147,7 +147,7 @@ class KernelBackend:
         keep = self._kept_rows(plan, 1, owner_rows, H, F, x.device)
         # the expert weights go as the Parameter objects themselves, not .detach() copies (here and in the
         # other launches): the kernels only read their pointers, and the launches' weight-check memo
-        # (kernel/weight_memo.py) is keyed by the objects -- a fresh detached copy per call never hit it
+        # (kernel/host/weight_memo.py) is keyed by the objects -- a fresh detached copy per call never hit it
         out, combine, _tpe = mok_forward_rank(
             bufs,
             x.detach().contiguous(),

@@ -68,7 +68,7 @@ def tune(
     w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)]
     extra = {}
     if cfg.kernel.dtype == "fp8":
-        from .kernel.fp8_weights import quantize_expert_weights
+        from .kernel.quant import quantize_expert_weights
 
         extra["fp8"] = quantize_expert_weights([w1], [w2])
     flops = 2 * tokens * K * H * 3 * F

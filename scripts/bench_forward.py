@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, timeit  # noqa: E402
 
 from megatron_mok import env  # noqa: E402
-from megatron_mok.kernel.cargs import ForwardTuning  # noqa: E402
+from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
 
 
 def tuning(raster: int | None) -> ForwardTuning:

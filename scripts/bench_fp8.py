@@ -102,7 +102,7 @@ def host_profile(fn, n: int = 20, top: int = 12) -> None:
 
 def tuning_of(kv: str):
     """The forward tuning of an --ab-tuning KEY=VALUE (a field of ``kernel.cargs.ForwardTuning``)."""
-    from megatron_mok.kernel.cargs import ForwardTuning
+    from megatron_mok.kernel.host.cargs import ForwardTuning
 
     key, _, val = kv.partition("=")
     if key not in ("tile_raster", "macrobatches", "fast_silu"):
@@ -287,7 +287,7 @@ def bench(name: str, args, results: list) -> None:
     from mok_truth import exact_fp32, rel_err
 
     import megatron_mok.kernel as mk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
     rows = T * K
@@ -386,7 +386,7 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
 
     import megatron_mok.kernel as mk
     from megatron_mok.kernel import backward as bk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
     rows = T * K
@@ -524,7 +524,7 @@ def main() -> int:
     if not mk.is_available():
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
         return 1
-    from megatron_mok.kernel.build import build_choices
+    from megatron_mok.kernel.host.build import build_choices
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     choices = build_choices()  # the timing-ablation build, or not

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_mok import fp8  # noqa: E402
-from megatron_mok.kernel.fp8_gemm import fp8_grouped_gemm  # noqa: E402
+from megatron_mok.kernel.gemm import fp8_grouped_gemm  # noqa: E402
 from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
 
 

@@ -44,7 +44,7 @@ def main() -> int:
 
     from megatron_mok import kernel
     from megatron_mok.kernel import backward as bk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     if not kernel.is_available():
         print(f"MoK kernel unavailable: {kernel.unavailable_reason()}")

@@ -80,7 +80,7 @@ def main() -> int:
     x, idx, wts, w1, w2, _ = make_backward_case(args.ranks, L, H, F, K, [T] * args.ranks, args.mode, seed=1)
     kw = dict(comm_sms=args.comm, ring_slots=args.slots, minibatch_tokens=args.minibatch)
     if args.dtype == "fp8":
-        from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+        from megatron_mok.kernel.quant import quantize_expert_weights
 
         kw["fp8"] = quantize_expert_weights(w1, w2)
     kernel.build_library()  # the (ablation) library is built and loaded before the clock starts

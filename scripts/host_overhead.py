@@ -63,7 +63,7 @@ def measure(fn, timer: PartTimer, calls: int) -> dict[str, float]:
 
 def shape_overheads(name: str, args, timer: PartTimer) -> list[dict]:
     import megatron_mok.kernel as mk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
     x, idx, w, w1, w2 = make_inputs(H, F, K, L, T)
@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import megatron_mok.kernel as mk
-    import megatron_mok.kernel.emulated as em
+    import megatron_mok.kernel.forward as em
 
     if not mk.is_available():
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")

@@ -31,7 +31,7 @@ def main() -> int:
     ap.add_argument("--minibatch", type=int, default=2560)
     args = ap.parse_args()
     import megatron_mok.kernel as mk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = 7168, 2048, 8, 8, args.tokens
     x, idx, w, w1, w2 = make_inputs(H, F, K, L, T)

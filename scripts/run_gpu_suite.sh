@@ -17,7 +17,7 @@ echo "== build"
 python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
 import time
 t = time.time()
-from megatron_mok.kernel import build
+from megatron_mok.kernel.host import build
 p = build.build_library(verbose=False)
 print("built", p, f"{time.time() - t:.1f}s")
 log = p.with_suffix(".log")

@@ -58,7 +58,7 @@ def record(args) -> str:
     if args.dtype == "fp8":
         if args.pass_ != "forward" and not args.saved_h:
             raise SystemExit("--dtype fp8 --pass backward: the FP8 dgrad reads the saved fc1 output (no --recompute)")
-        from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+        from megatron_mok.kernel.quant import quantize_expert_weights
 
         kw["fp8"] = quantize_expert_weights(w1, w2, transposed=args.pass_ == "backward")
     kept = None

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mok.kernel import backward, fp8_gemm, library
+from megatron_mok.kernel import backward, gemm
+from megatron_mok.kernel.host import library
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc" / "mok"
 
@@ -41,7 +42,7 @@ def c_struct_fields(source: str, name: str) -> list[tuple[str, int]]:
     "source,struct,binding",
     [
         ("host/forward.cu", "MokLaunchArgs", library._Args),
-        ("host/unit_entry_points.cuh", "MokFp8GemmArgs", fp8_gemm._Fp8Args),
+        ("host/unit_entry_points.cuh", "MokFp8GemmArgs", gemm._Fp8Args),
         ("host/backward.cu", "MokBwdArgs", backward._Args),
         ("host/backward.cu", "MokWgradArgs", backward._WgradArgs),
     ],

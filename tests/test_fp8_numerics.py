@@ -59,7 +59,7 @@ def test_bad_shapes_are_clear_errors():
 def test_fp8_weight_cache_follows_optimizer_steps_through_param_data():
     """Megatron writes updated weights through ``param.data`` (no version bump): the cache must still
     re-quantise after an optimizer step, and keep its copy between steps (micro-batches)."""
-    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+    from megatron_mok.kernel.quant import Fp8WeightCache, weights_changed
 
     p = torch.nn.Parameter(torch.randn(128, 256))
     cache = Fp8WeightCache()
@@ -116,7 +116,7 @@ def test_swiglu_backward_matches_autograd():
 
 def test_fp8_expert_set_is_handed_back_until_a_weight_or_a_step_changes():
     """Fp8WeightCache.experts keeps its whole answer for the same weights; any change asks again."""
-    from megatron_mok.kernel.fp8_weights import Fp8WeightCache, weights_changed
+    from megatron_mok.kernel.quant import Fp8WeightCache, weights_changed
 
     w1 = [[torch.randn(256, 128) for _ in range(2)]]
     w2 = [[torch.randn(128, 128) for _ in range(2)]]

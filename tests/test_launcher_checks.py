@@ -12,7 +12,7 @@ pytestmark = pytest.mark.nvcc
 
 @pytest.fixture(scope="module")
 def lib() -> ctypes.CDLL:
-    from megatron_mok.kernel import build
+    from megatron_mok.kernel.host import build
 
     if build.find_nvcc() is None or build.cutlass_include() is None:
         pytest.skip("needs nvcc and the CUTLASS headers")
@@ -22,7 +22,7 @@ def lib() -> ctypes.CDLL:
 def _args(arrays, Ts: list[int] | None = None, **kw):
     """The launch struct of a small launch (L 4, H 256, F 128, top-2, 2 comm SMs) with the given fields; Ts: the
     ranks' token counts (default 300 each)."""
-    from megatron_mok.kernel.library import _Args
+    from megatron_mok.kernel.host.library import _Args
 
     a = _Args()
     a.R, a.L, a.H, a.F, a.K = len(Ts) if Ts else 1, 4, 256, 128, 2
@@ -35,7 +35,7 @@ def _args(arrays, Ts: list[int] | None = None, **kw):
 
 def _check(lib, **kw) -> str:
     """mok_forward_check's message for a small launch with the given fields ('' = accepted)."""
-    from megatron_mok.kernel.cargs import LaunchArrays
+    from megatron_mok.kernel.host.cargs import LaunchArrays
 
     arrays = LaunchArrays()
     a = _args(arrays, **kw)
@@ -66,7 +66,7 @@ def test_tuning_fields(lib):
 
 def _workspace(lib, Ts: list[int] | None = None, **kw) -> int:
     """mok_workspace_bytes of a two-rank launch (300 + 200 tokens unless Ts) with the given fields (-1: refused)."""
-    from megatron_mok.kernel.cargs import LaunchArrays
+    from megatron_mok.kernel.host.cargs import LaunchArrays
 
     arrays = LaunchArrays()
     a = _args(arrays, Ts or [300, 200], **kw)
@@ -83,7 +83,7 @@ def test_fp8_source_copies(lib):
     and scales into its workspace (500 tokens x 256 bytes + 500 x 2 scales) beside the two ranks' pointer
     tables; a per-rank FP8 launch keeps the copies in the ranks' symmetric regions (only the tables in its
     workspace) and is refused, by name, without them."""
-    from megatron_mok.kernel.cargs import LaunchArrays
+    from megatron_mok.kernel.host.cargs import LaunchArrays
 
     assert _check(lib, fp8=1) == ""  # emulated launch
     msg = _check(lib, fp8=1, rank=0)  # per-rank launch without the copies

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_mok.kernel.emulated import MOK_MAX_RANKS
-from megatron_mok.kernel.peer_ep import SIGNAL_KINDS, PeerRegion
+from megatron_mok.kernel.comm import SIGNAL_KINDS, PeerRegion
+from megatron_mok.kernel.forward import MOK_MAX_RANKS
 
 
 def test_region_layout_is_aligned_and_disjoint():

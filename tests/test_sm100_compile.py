@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mok.kernel import build
+from megatron_mok.kernel.host import build
 
 pytestmark = pytest.mark.skipif(
     build.find_nvcc() is None or build.cutlass_include() is None, reason="needs nvcc and the CUTLASS headers"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mok.kernel.emulated import _check_expert_weights
-from megatron_mok.kernel.fp8_weights import Fp8ExpertWeights
-from megatron_mok.kernel.weight_memo import dense_weights_ok
+from megatron_mok.kernel.forward import _check_expert_weights
+from megatron_mok.kernel.host.weight_memo import dense_weights_ok
+from megatron_mok.kernel.quant import Fp8ExpertWeights
 
 CPU = torch.device("cpu")
 R, L, H, F = 2, 3, 128, 64
@@ -105,8 +105,8 @@ def test_per_rank_launch_checks_go_through_the_cheap_pass_and_name_defects():
     """mok_forward_rank's weight checks (peer_ep._expert_weight_pointers): dense weights give their
     pointers without the per-expert loop (remembered, weight_memo.py), strided ones None (their row
     strides are read at the launch), and every defect the named message of the detailed loop."""
-    from megatron_mok.kernel import weight_memo
-    from megatron_mok.kernel.peer_ep import _expert_weight_pointers
+    from megatron_mok.kernel.comm import _expert_weight_pointers
+    from megatron_mok.kernel.host import weight_memo
 
     w1, w2 = _weights()
     got = _expert_weight_pointers(w1[0], w2[0], H, CPU)

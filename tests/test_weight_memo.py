@@ -1,4 +1,4 @@
-"""CPU: expert-weight checks remembered across launches (megatron_mok/kernel/weight_memo.py).
+"""CPU: expert-weight checks remembered across launches (megatron_mok/kernel/host/weight_memo.py).
 
 A launch's weight check runs once per list of tensor objects at the same addresses; every other case
 (a tensor replaced, re-pointed with ``.data =``, dead and its id reused, a failed check) checks again."""
@@ -12,11 +12,11 @@ import weakref
 import pytest
 import torch
 
-from megatron_mok.kernel import weight_memo
-from megatron_mok.kernel.cargs import LaunchArrays
-from megatron_mok.kernel.emulated import set_expert_weights
-from megatron_mok.kernel.fp8_weights import Fp8ExpertWeights
-from megatron_mok.kernel.weight_memo import dense_weight_pointers
+from megatron_mok.kernel.forward import set_expert_weights
+from megatron_mok.kernel.host import weight_memo
+from megatron_mok.kernel.host.cargs import LaunchArrays
+from megatron_mok.kernel.host.weight_memo import dense_weight_pointers
+from megatron_mok.kernel.quant import Fp8ExpertWeights
 
 CPU = torch.device("cpu")
 R, L, H, F = 2, 3, 256, 128

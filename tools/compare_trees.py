@@ -13,7 +13,7 @@ tree's median time per case, the ratio of the trees, and each tree's spread over
 
 A tree is a checkout (its ``megatron_mok`` is imported from there); the first is the baseline. The launch API
 both trees must offer: ``kernel.mok_forward_emulated``, ``kernel.backward.mok_backward_emulated`` and
-``kernel.fp8_weights.quantize_expert_weights``.
+``kernel.quant.quantize_expert_weights`` (``kernel.fp8_weights`` in older checkouts).
 """
 
 from __future__ import annotations
@@ -79,7 +79,10 @@ def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
 
     from megatron_mok import kernel
     from megatron_mok.kernel import backward as bk
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    try:
+        from megatron_mok.kernel.quant import quantize_expert_weights
+    except ImportError:  # a checkout from before megatron_mok/kernel was laid out by concept
+        from megatron_mok.kernel.fp8_weights import quantize_expert_weights
 
     x, idx, w, w1, w2, go = inputs
     dev = x.device

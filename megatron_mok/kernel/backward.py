@@ -32,12 +32,12 @@ from pathlib import Path
 import torch
 
 from ..activation import Glu
-from . import build as _build
-from .availability import KernelAvailability
-from .cargs import LaunchArrays, bind_glu
-from .emulated import _lazy_checker, capture_check, launch_workspace, refuse_capture
-from .errors import MokKernelError, format_error, raise_recorded_error
-from .weight_memo import dense_weights_ok
+from .forward import _lazy_checker, capture_check, launch_workspace, refuse_capture
+from .host import build as _build
+from .host.availability import KernelAvailability
+from .host.cargs import LaunchArrays, bind_glu
+from .host.errors import MokKernelError, format_error, raise_recorded_error
+from .host.weight_memo import dense_weights_ok
 
 LIB_NAME = "libmok_backward"
 MAIN_SOURCE = "host/backward.cu"
@@ -780,7 +780,7 @@ def mok_backward_emulated(
 
 
 # ---------------------------------------------------------------------------------------------------
-# per-rank launch (real EP over torch symmetric memory; see kernel/peer_ep.py)
+# per-rank launch (real EP over torch symmetric memory; see kernel/comm.py)
 # ---------------------------------------------------------------------------------------------------
 def mok_backward_rank(
     bufs,
@@ -810,7 +810,7 @@ def mok_backward_rank(
     fp8=None,
     glu: Glu | None = None,
 ):
-    """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.peer_ep.PeerBuffers`):
+    """MoE layer backward of rank ``bufs.rank`` (a :class:`~megatron_mok.kernel.comm.PeerBuffers`):
     one launch of the same backward kernel as :func:`mok_backward_emulated`, with one partition, meeting
     its peers on their signal pads. Every rank must make the matching call (same epoch sequence as the
     forward calls on these buffers, same token count).
@@ -1013,6 +1013,6 @@ def mok_backward_rank(
 
 def check_rank_backward_error(bufs, stream=None, *, L: int, timeout_ms: float) -> None:
     """Wait for the rank's last backward launch; raise MokKernelError if it recorded an error."""
-    from .peer_ep import raise_rank_error
+    from .comm import raise_rank_error
 
     raise_rank_error(bufs.bwd_err, stream, lambda v: _error_message(v, bufs.world, L, timeout_ms))

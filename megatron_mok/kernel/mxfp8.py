@@ -18,8 +18,8 @@ def quantize_mx_rows(x: torch.Tensor, scale_layout: str = "row") -> tuple[torch.
     -> (e4m3 [M, H], UE8M0 exponents): ``[M, H / 32]`` for ``scale_layout="row"``, or the sm_100 MMA's
     scale-factor layout as a flat uint8 tensor of ``mxfp8.sm100_sf_bytes(M, H / 32)`` bytes (padding 0)
     for ``"sm100"``. Raises ValueError naming the problem for any other input."""
-    from .errors import MokKernelError
-    from .library import load_library
+    from .host.errors import MokKernelError
+    from .host.library import load_library
 
     if scale_layout not in _LAYOUTS:
         raise ValueError(f"scale_layout must be one of {sorted(_LAYOUTS)}, got {scale_layout!r}")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import mxfp8
-from .errors import MokKernelError
+from .host.errors import MokKernelError
 
 _lib = None
 
@@ -22,7 +22,7 @@ _lib = None
 def _load():
     global _lib
     if _lib is None:
-        from .build import build_sm100_library
+        from .host.build import build_sm100_library
 
         lib = ctypes.CDLL(str(build_sm100_library()))
         lib.mok_sm100_mxfp8_gemm_workspace_bytes.restype = ctypes.c_longlong

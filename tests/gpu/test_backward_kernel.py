@@ -38,7 +38,8 @@ def _rel(a, b):
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.nvcc
 def test_backward_kernel_compiles_for_sm90a(tmp_path):
-    from megatron_mok.kernel import backward, build
+    from megatron_mok.kernel import backward
+    from megatron_mok.kernel.host import build
 
     if build.find_nvcc() is None:
         pytest.skip("nvcc not found")

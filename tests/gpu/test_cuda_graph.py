@@ -42,7 +42,7 @@ def _churn(kernel, seed: int) -> None:
 
 @pytest.mark.parametrize("R,dtype", [(1, "bf16"), (2, "bf16"), (1, "fp8"), (2, "fp8")])
 def test_forward_graph_replays_equal_eager_calls(kernel, R, dtype):
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     L, H, F, K = 3, 512, 256, 4
     Ts = [300, 211][:R]

@@ -109,7 +109,7 @@ def test_single_slot_ring_odd_minibatch(kernel):
 
 @pytest.mark.parametrize("raster", [0, 1, 4, 16])
 def test_ticket_orders(kernel, raster):
-    from megatron_mok.kernel.cargs import ForwardTuning
+    from megatron_mok.kernel.host.cargs import ForwardTuning
 
     _run_case(
         kernel,

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True, glu=None):
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     dev = torch.device("cuda")
     x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, mode, seed)
@@ -115,7 +115,7 @@ def test_fp8_backward_kimi_k2_slice(kernel, bk):
 def test_fp8_backward_error_is_reported_vs_bf16(kernel, bk):
     """The same layer's grad_x through the bf16 and the fp8 backward against fp32: fp8 error bounded,
     bf16 smaller (the numbers go to the log: scripts/NOTES-fp8.md)."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K, T = 1, 4, 1024, 512, 4, 1024
     dev = torch.device("cuda")
@@ -150,7 +150,7 @@ def test_fp8_backward_error_is_reported_vs_bf16(kernel, bk):
 
 
 def test_fp8_backward_bad_inputs_are_clear_errors(kernel, bk):
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev)

@@ -54,7 +54,7 @@ CASES = [
 
 @pytest.mark.parametrize("R,L,H,F,K,Ts,mode,comm,slots,mb", CASES)
 def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, comm, slots, mb):
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 31 + H)
     q8 = quantize_expert_weights(w1, w2)
@@ -94,7 +94,7 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
 def test_fp8_forward_glu_variants_match_the_recipe(kernel, case, offset, clamp):
     """Megatron's clamped / offset SwiGLU in the FP8 fc1 epilogue (and the kept h stays the raw fc1 output)."""
     from megatron_mok.activation import Glu
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K, Ts, mode, comm, slots, mb = case
     glu = Glu(offset=offset, clamp=clamp)
@@ -124,8 +124,8 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case):
     """kernel.fast_silu (SiLU through tanh.approx in the fc1 epilogue, expert_ffn.cuh: silu_tanh_f) moves
     a few e4m3 roundings of the SwiGLU output: the layer stays within the recipe's tolerances, and the
     errors of both settings are printed (the knob is off until its error and its time are measured)."""
-    from megatron_mok.kernel.cargs import ForwardTuning
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.host.cargs import ForwardTuning
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K, Ts, mode, comm, slots, mb = case
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 31 + H)
@@ -149,7 +149,7 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case):
 def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
     """With fp8 weights the bf16 masters give only the sizes: they are neither read by the kernel nor checked
     per tensor on every call (host time); zeroed, column-strided masters give the same bits."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     x, idx, wts, w1, w2 = _inputs(2, 2, 256, 256, 2, [300, 200], "uniform", seed=9)
     q8 = quantize_expert_weights(w1, w2)
@@ -166,7 +166,7 @@ def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
 
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):
     """The same layer through the bf16 and the fp8 kernel against fp32: fp8 error bounded, bf16 smaller."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K = 2, 4, 1024, 512, 4
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, [1024, 1024], "uniform", seed=5)
@@ -181,7 +181,7 @@ def test_fp8_forward_error_is_reported_vs_bf16(kernel):
 
 
 def test_fp8_weight_cache_requantizes_only_changed_weights(kernel):
-    from megatron_mok.kernel.fp8_weights import Fp8WeightCache
+    from megatron_mok.kernel.quant import Fp8WeightCache
 
     w = (torch.randn(256, 384, device="cuda") / 20).bfloat16()
     cache = Fp8WeightCache()
@@ -195,7 +195,7 @@ def test_fp8_weight_cache_requantizes_only_changed_weights(kernel):
 
 
 def test_fp8_bad_inputs_are_clear_errors(kernel):
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     x, idx, wts, w1, w2 = _inputs(1, 2, 256, 256, 2, [64], "uniform", seed=1)
     q8 = quantize_expert_weights(w1, w2)
@@ -214,7 +214,7 @@ def test_fp8_bad_inputs_are_clear_errors(kernel):
 @pytest.mark.parametrize("N,K,strided", [(256, 384, False), (128, 128, False), (4096, 7168, False), (512, 256, True)])
 def test_fp8_weight_quantisation_kernel_is_bit_identical_to_the_oracle(kernel, N, K, strided):
     from megatron_mok import fp8
-    from megatron_mok.kernel.fp8_weights import quantize_weight
+    from megatron_mok.kernel.quant import quantize_weight
 
     g = torch.Generator(device="cuda").manual_seed(N + K)
     big = torch.randn((N, K + (64 if strided else 0)), generator=g, device="cuda") / 30

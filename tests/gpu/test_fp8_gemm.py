@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def f8(kernel):  # kernel (conftest.py): skips without a GPU or the MoK library
-    from megatron_mok.kernel import fp8_gemm
+    from megatron_mok.kernel import gemm as fp8_gemm
 
     return fp8_gemm
 

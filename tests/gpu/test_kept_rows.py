@@ -83,7 +83,7 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
 
 def test_kept_rows_bad_inputs_are_clear_errors(kernel, bk):
     from megatron_mok.kernel import KeptRows
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K = 2, 2, 256, 128, 2
     Ts = [100, 90]

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.nvcc
 
 
 def test_kernel_compiles_for_sm90a(tmp_path):
-    from megatron_mok.kernel import build
+    from megatron_mok.kernel.host import build
 
     if build.find_nvcc() is None:
         pytest.skip("nvcc not found")
@@ -28,7 +28,8 @@ def test_no_wgmma_is_serialised(which):
     """ptxas serialises every wgmma of a kernel (warnings C7514 / C7515) when a non-wgmma instruction
     writes accumulator registers inside a pipeline stage -- the FP8 forward lost 10 % that way to one
     branch (expert_ffn.cuh: skip_kloop). The shipped libraries must compile without it."""
-    from megatron_mok.kernel import backward, build
+    from megatron_mok.kernel import backward
+    from megatron_mok.kernel.host import build
 
     if build.find_nvcc() is None or build.cutlass_include() is None:
         pytest.skip("needs nvcc and the CUTLASS headers")
@@ -56,7 +57,7 @@ def test_lean_forward_instances():
     loops: 26160 instead of 18552 instructions, 352 instead of 84 bytes of spill stores;
     scripts/NOTES-kernel.md, fourteenth session). Both instances must exist, and the lean FP8 one must stay
     lean: a feature's code that leaks into it shows as spills first."""
-    from megatron_mok.kernel import build
+    from megatron_mok.kernel.host import build
 
     if build.find_nvcc() is None or build.cutlass_include() is None:
         pytest.skip("needs nvcc and the CUTLASS headers")

@@ -313,12 +313,12 @@ def test_backward_minibatch_does_not_change_gradients(save_fc1_output):
 
 def test_layer_calls_hit_the_weight_check_memo(monkeypatch):
     """The kernel backend hands the launches the expert Parameters themselves: a second forward / backward
-    with the same weights finds the per-tensor checks remembered (kernel/weight_memo.py) instead of checking
+    with the same weights finds the per-tensor checks remembered (kernel/host/weight_memo.py) instead of checking
     every expert again (a fresh .detach() per call made every call a miss)."""
     _kernel_or_skip()
 
     from megatron_mok.backend import kernel_backend
-    from megatron_mok.kernel import weight_memo
+    from megatron_mok.kernel.host import weight_memo
     from megatron_mok.reference import MokPlan, RingSpec, mok_moe
     from megatron_mok.transport import run_emulated
 

@@ -36,7 +36,7 @@ def _inputs(R, L, H, F, K, T, mode, seed):
 
 
 def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp8=None, keep=None, **kw):
-    from megatron_mok.kernel.peer_ep import mok_forward_rank
+    from megatron_mok.kernel.comm import mok_forward_rank
 
     R = len(bufs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -65,7 +65,7 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1", "one"])
 @pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
 def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
 
     L, H, F, K, T = 4, 512, 256, 4, 700
     cfg = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=256)  # ring smaller than the batch
@@ -93,8 +93,8 @@ def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
 def test_fp8_rank_launches_match_emulated(kernel, R):
     """The FP8 kernel per rank (each rank passes its own experts' e4m3 weights): the emulated FP8
     launch's bits, twice in a row."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     L, H, F, K, T = 4, 512, 256, 4, 700
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256)
@@ -118,7 +118,7 @@ def test_fp8_rank_launches_match_emulated(kernel, R):
 
 def test_missing_rank_times_out_naming_it(kernel):
     from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -133,7 +133,7 @@ def test_missing_rank_times_out_naming_it(kernel):
 
 def test_token_count_mismatch_is_an_error(kernel):
     from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
 
     R, L, H, F, K = 2, 2, 256, 128, 2
     bufs = PeerBuffers.on_one_gpu(R, 256, H, K)
@@ -152,7 +152,7 @@ def test_token_count_mismatch_is_an_error(kernel):
 
 
 def test_bad_inputs_are_clear_errors(kernel):
-    from megatron_mok.kernel.peer_ep import PeerBuffers, mok_forward_rank
+    from megatron_mok.kernel.comm import PeerBuffers, mok_forward_rank
 
     bufs = PeerBuffers.on_one_gpu(2, 64, 256, 2)
     dev = torch.device("cuda")
@@ -226,7 +226,7 @@ def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
     """Per-rank backward launches (separate streams, peers met on signal pads, forward and backward
     calls alternating on the same buffers and epochs) give the emulated backward's bits."""
     from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
-    from megatron_mok.kernel.peer_ep import PeerBuffers
+    from megatron_mok.kernel.comm import PeerBuffers
 
     L, H, F, K, T = 4, 512, 256, 4, 600
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
@@ -259,7 +259,7 @@ def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
 def test_backward_missing_rank_times_out_naming_it(kernel):
     from megatron_mok.kernel import MokKernelError
     from megatron_mok.kernel.backward import check_rank_backward_error
-    from megatron_mok.kernel.peer_ep import PeerBuffers
+    from megatron_mok.kernel.comm import PeerBuffers
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -274,7 +274,7 @@ def test_backward_missing_rank_times_out_naming_it(kernel):
 
 def test_backward_rank_bad_inputs_are_clear_errors(kernel):
     from megatron_mok.kernel.backward import mok_backward_rank
-    from megatron_mok.kernel.peer_ep import PeerBuffers
+    from megatron_mok.kernel.comm import PeerBuffers
 
     bufs = PeerBuffers.on_one_gpu(2, 64, 256, 2)
     dev = torch.device("cuda")
@@ -311,7 +311,7 @@ def test_owner_capacity_overflow_is_reported_by_every_rank(kernel):
     forward and backward report the overflowing owner and both counts; nothing waits or writes past."""
     from megatron_mok.kernel import MokKernelError
     from megatron_mok.kernel.backward import check_rank_backward_error
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -340,7 +340,7 @@ def test_owner_capacity_overflow_is_reported_by_every_rank(kernel):
 def test_owner_capacity_factor_that_fits_gives_the_same_bits(kernel):
     """Row buffers of 1.5 x the fair share instead of the worst case: same results as the emulated run."""
     from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
 
     R, L, H, F, K, T = 4, 2, 256, 128, 4, 512
     cap = int(1.5 * T * K)
@@ -382,7 +382,7 @@ def mok_forward_emulated_all(x, idx, wts, w1, w2):
 def _symm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_mok.kernel.peer_ep import PeerBuffers, mok_forward_rank
+    from megatron_mok.kernel.comm import PeerBuffers, mok_forward_rank
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -444,8 +444,8 @@ def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, vari
     keeps its x / act rows (KeptRows) and its backward pulls only grad_out. Same bits as emulated EP."""
     from megatron_mok.kernel import KeptRows
     from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated, mok_backward_rank
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
-    from megatron_mok.kernel.peer_ep import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     fp8, saved, kept = variant.startswith("fp8"), "saved_h" in variant, variant.endswith("kept")
     L, H, F, K, T = 3, 512, 384, 4, 400

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from mok_truth import KEPT_AND_BACKWARD, kept_rows_and_backward, make_backward_case  # noqa: E402
 
-from megatron_mok.kernel.cargs import ForwardTuning  # noqa: E402
+from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def test_token_chunks_give_the_same_bits(kernel, B, comm, mode, slots):
 
 def test_token_chunks_fp8_and_few_tokens(kernel):
     """FP8 kernel; and more chunks than 128-token chunks of tokens (empty chunks, empty segments)."""
-    from megatron_mok.kernel.fp8_weights import quantize_expert_weights
+    from megatron_mok.kernel.quant import quantize_expert_weights
 
     for T, B, comm, slots in ((1100, 4, 0, 2), (1100, 4, 2, 32), (200, 8, 0, 2), (200, 8, 2, 2)):
         x, idx, wts, w1, w2, _ = make_backward_case(1, 3, 256, 256, 2, [T], "skewed", seed=T)

@@ -95,7 +95,7 @@ def test_wgrad_kernel_accumulates_into_main_grad(bk):
 
 @pytest.mark.gpu
 def test_wgrad_kernel_rejects_counts_past_the_buffer(bk):
-    from megatron_mok.kernel.errors import MokKernelError
+    from megatron_mok.kernel.host.errors import MokKernelError
 
     tpe, xl, gyl, dh, act = _buffers([100, 50], 256, 128, cap_extra=0, seed=6)
     tpe[1] = 10_000  # as if the dgrad launch had not finished: more rows than the buffers hold

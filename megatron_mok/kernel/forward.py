@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from ..activation import Glu
-from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
-from .errors import MokKernelError, format_error, raise_recorded_error
-from .library import _Args, load_library
-from .weight_memo import dense_weight_pointers
+from .host.cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
+from .host.errors import MokKernelError, format_error, raise_recorded_error
+from .host.library import _Args, load_library
+from .host.weight_memo import dense_weight_pointers
 
 MOK_MAX_RANKS = 72
 MOK_MAX_LOCAL_EXPERTS = 512
@@ -305,10 +305,10 @@ def set_expert_weights(
         args.w2 = arrays.u64([w2[q][e].data_ptr() for q in ranks for e in range(L)])
         args.w2_ld = arrays.i64([w2[q][e].stride(0) for q in ranks for e in range(L)])
         return
-    from .fp8_weights import Fp8ExpertWeights
+    from .quant import Fp8ExpertWeights
 
     if not isinstance(fp8, Fp8ExpertWeights):
-        _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.fp8_weights), got {type(fp8).__name__}")
+        _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.quant), got {type(fp8).__name__}")
     ptrs = fp8.validate(nranks, L, H, F, device)
     args.fp8 = 1
     args.w1 = arrays.u64(of_ranks(ptrs["w1q"]))
@@ -349,7 +349,7 @@ def mok_forward_emulated(
 
     saved_h: optional list of R bf16 tensors [>= sum_r T_r * K, 2F]; owner q's fc1 output h = [gate | up]
     lands in saved_h[q] in layout order, for ``mok_backward_emulated(..., saved_h=...)`` (no fc1 recompute).
-    fp8: optional ``Fp8ExpertWeights`` (fp8_weights.py) of w1 / w2: runs the FP8 kernel (e4m3 with 1 x 128
+    fp8: optional ``Fp8ExpertWeights`` (quant.py) of w1 / w2: runs the FP8 kernel (e4m3 with 1 x 128
     activation and 128 x 128 weight block scales, activations quantised in the pull and the SwiGLU
     epilogue, fp32 accumulation, bf16 outputs); w1 / w2 then only give the shapes.
     keep: optional ``KeptRows`` (R parts, rows >= sum_r T_r * K): the launch keeps the expert input and

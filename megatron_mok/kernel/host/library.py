@@ -40,7 +40,7 @@ class _Args(ctypes.Structure):
         ("workspace", ctypes.c_ulonglong),
         ("workspace_bytes", ctypes.c_ulonglong),
         ("err", ctypes.c_ulonglong),
-        # per-rank launch only (mok_forward_rank_launch; see peer_ep.py)
+        # per-rank launch only (mok_forward_rank_launch; see comm.py)
         ("rank", ctypes.c_int),
         ("epoch", ctypes.c_uint),
         ("signal", ctypes.c_void_p),
@@ -59,7 +59,7 @@ class _Args(ctypes.Structure):
         ("keep_x", ctypes.c_ulonglong),
         ("keep_act", ctypes.c_ulonglong),
         ("keep_rows", ctypes.c_longlong),
-        # FP8 per-rank launch: every rank's source-quantised copy (peer_ep.py)
+        # FP8 per-rank launch: every rank's source-quantised copy (comm.py)
         ("xq", ctypes.c_void_p),
         ("xs", ctypes.c_void_p),
         # the SwiGLU variant (clamp / offset; cargs.bind_glu)

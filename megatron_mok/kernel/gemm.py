@@ -13,10 +13,10 @@ import ctypes
 
 import torch
 
-from .cargs import LaunchArrays
-from .emulated import _lazy_checker
-from .errors import MokKernelError, format_error
-from .library import load_library
+from .forward import _lazy_checker
+from .host.cargs import LaunchArrays
+from .host.errors import MokKernelError, format_error
+from .host.library import load_library
 
 BLOCK = 128
 

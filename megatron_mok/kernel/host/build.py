@@ -21,9 +21,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .. import env
+from ... import env
 
-_HERE = Path(__file__).resolve().parent
+_KERNEL = Path(__file__).resolve().parent.parent  # megatron_mok/kernel
 LIB_NAME = "libmok_forward"
 MAIN_SOURCE = "host/forward.cu"
 
@@ -33,7 +33,7 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    candidates = [_HERE.parent.parent / "csrc" / "mok", _HERE / "csrc" / "mok"]
+    candidates = [_KERNEL.parent.parent / "csrc" / "mok", _KERNEL / "csrc" / "mok"]  # checkout, or the installed copy
     for c in candidates:
         if (c / MAIN_SOURCE).is_file():
             return c

@@ -6,8 +6,8 @@ import array
 import math
 from dataclasses import dataclass
 
-from .. import env
-from ..activation import Glu
+from ... import env
+from ...activation import Glu
 
 
 class LaunchArrays:

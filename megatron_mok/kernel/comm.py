@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..activation import Glu
-from .cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
-from .emulated import (
+from .forward import (
     MOK_MAX_RANKS,
     _check_tensor,
     _error_message,
@@ -45,9 +44,10 @@ from .emulated import (
     rejection,
     set_expert_weights,
 )
-from .errors import MokKernelError, raise_recorded_error
-from .library import _Args, load_library
-from .weight_memo import dense_weight_pointers
+from .host.cargs import ForwardTuning, LaunchArrays, bind_glu, bind_tuning
+from .host.errors import MokKernelError, raise_recorded_error
+from .host.library import _Args, load_library
+from .host.weight_memo import dense_weight_pointers
 
 SIGNAL_KINDS = 4  # start, done, token count, source-quantised (csrc/mok/common.cuh SignalKind)
 SCALE_BLOCK = 128  # columns per fp32 scale of the source-quantised rows (1 x 128 blocks)

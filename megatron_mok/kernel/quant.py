@@ -33,9 +33,9 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     fast = w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
     if not (fast and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0):
         return fp8.quantize_weight_128x128(w)
-    from .build import BuildError
-    from .errors import MokKernelError
-    from .library import load_library
+    from .host.build import BuildError
+    from .host.errors import MokKernelError
+    from .host.library import load_library
 
     N, K = w.shape
     if N % fp8.BLOCK or K % fp8.BLOCK:
@@ -146,7 +146,7 @@ class Fp8ExpertWeights:
 
     def _check(self, R: int, L: int, device: torch.device, shapes: dict) -> dict[str, tuple[int, ...]]:
         """Each list of ``shapes`` (name -> (shape, dtype)) checked; their data pointers by name."""
-        from .weight_memo import dense_weight_pointers
+        from .host.weight_memo import dense_weight_pointers
 
         ptrs = {
             n: dense_weight_pointers(getattr(self, n), R, L, dt, shape, device) for n, (shape, dt) in shapes.items()
