@@ -56,29 +56,13 @@ def checksum(t) -> str:
     return f"{t.dtype}:{tuple(t.shape)}:{s1 & (2**64 - 1):016x}{s2 & (2**64 - 1):016x}"
 
 
-def _median_ms(fn, iters: int) -> float:
-    import torch
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
     """Checksums and timings of one slice in one dtype: forward, then backward on its outputs."""
     import torch
 
     from megatron_mok import kernel
     from megatron_mok.kernel import backward as bk
+
     try:
         from megatron_mok.kernel.quant import quantize_expert_weights
     except ImportError:  # a checkout from before megatron_mok/kernel was laid out by concept
@@ -106,7 +90,13 @@ def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
     sums = {"out": checksum(o[0]), "combine": checksum(comb[0]), "saved_h": checksum(saved[0])}
     sums.update(grad_x=checksum(gx[0]), grad_topk_w=checksum(gw[0]))
     sums.update(grad_w1=checksum(torch.stack(g1[0])), grad_w2=checksum(torch.stack(g2[0])))
-    return {"sums": sums, "forward_ms": _median_ms(forward, iters), "backward_ms": _median_ms(backward, iters)}
+    from megatron_mok.timing import cuda_times_ms  # the tree's own event timing (median of iters calls)
+
+    return {
+        "sums": sums,
+        "forward_ms": cuda_times_ms(forward, iters, 2)[0],
+        "backward_ms": cuda_times_ms(backward, iters, 2)[0],
+    }
 
 
 def run_cases(iters: int) -> dict:
