@@ -9,6 +9,7 @@ mok layer [--config NAME] [--ep N] [--tokens T] [--dtype bf16|fp32] [--check]
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import warnings
 
@@ -117,6 +118,36 @@ def _tune(args: argparse.Namespace) -> None:
     )
 
 
+def _fail(msg: str) -> None:
+    """One line naming the problem, exit status 2, before any process starts."""
+    print(f"mok: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """The layer / tune arguments, checked before anything runs: the config exists and is valid, the EP size
+    divides its experts and fits one NVLink domain, the counts are positive."""
+    from megatron_mok.config import MAX_EP_RANKS, MokConfigError, load_config
+
+    if args.ep < 1:
+        _fail(f"--ep must be >= 1, got {args.ep}")
+    if args.ep > MAX_EP_RANKS:
+        _fail(
+            f"--ep {args.ep} exceeds one NVLink domain ({MAX_EP_RANKS} GPUs); across domains use Megatron's flex dispatcher"
+        )
+    if args.tokens < 1:
+        _fail(f"--tokens must be >= 1, got {args.tokens}")
+    if getattr(args, "iters", 1) < 1:
+        _fail(f"--iters must be >= 1, got {args.iters}")
+    try:
+        cfg = load_config(args.config)
+    except (MokConfigError, OSError) as exc:
+        _fail(f"--config {args.config!r}: {exc}")
+    experts = cfg.model.num_moe_experts
+    if experts % args.ep:
+        _fail(f"--ep {args.ep} does not divide the {experts} experts of config {cfg.model.name!r}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mok", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -141,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     tp.add_argument("--iters", type=int, default=5)
     tp.set_defaults(fn=_tune)
     args = parser.parse_args(argv)
+    if args.cmd in ("layer", "tune"):
+        _check_args(args)
     args.fn(args)
 
 
