@@ -121,6 +121,12 @@ def train(rank: int, ws: int, args) -> None:
             json.dump({**curves, "max_gap": gap, "mok_backend": backends, "param_dtypes": param_dtypes}, f)
 
 
+def _fail(msg: str) -> None:
+    """One line naming the problem, exit status 2, before any process starts."""
+    print(f"train_gpt_moe.py: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--ep", type=int, default=2)
@@ -138,6 +144,15 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="write full loss curves to OUT.<rank> (json)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
     args = p.parse_args(argv)
+    for name in ("ep", "steps", "layers", "hidden", "ffn", "experts", "topk", "vocab", "seq", "batch"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.experts % args.ep:
+        _fail(f"--ep {args.ep} does not divide --experts {args.experts}")
+    if args.topk > args.experts:
+        _fail(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if not args.lr > 0:
+        _fail(f"--lr must be > 0, got {args.lr}")
     args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     from megatron_mok.testing import spawn
 

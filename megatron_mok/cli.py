@@ -99,7 +99,14 @@ def _layer(args: argparse.Namespace) -> None:
     import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    spawn(_layer_worker, args.ep, args, backend=backend)
+    try:
+        spawn(_layer_worker, args.ep, args, backend=backend)
+    except torch.multiprocessing.ProcessRaisedException as exc:
+        if args.verbose:
+            raise
+        # the rank's own exception, once, without the spawn wrapper's traceback (--verbose shows it)
+        last = [ln for ln in str(exc).strip().splitlines() if ln.strip()][-1]
+        _fail(f"rank {exc.error_index} failed: {last}")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     lp.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     lp.add_argument("--check", action="store_true", help="compare with Megatron's own dispatcher")
+    lp.add_argument("--verbose", action="store_true", help="full tracebacks of a failing rank")
     lp.set_defaults(fn=_layer)
     tp = sub.add_parser("tune", help="tune the kernel settings of a config on this GPU")
     tp.add_argument("--config", required=True, help="bundled config name or YAML path")

@@ -30,3 +30,30 @@ def test_bad_arguments_are_one_clear_line(argv, message):
     ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("mok: ")]
     assert len(ours) == 1 and message in ours[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_failing_rank_prints_its_error_once():
+    """An error inside a spawned rank: its own message, once, no spawn-wrapper traceback (unless --verbose)."""
+    env = {**__import__("os").environ, "MOK_BACKEND": "bogus"}
+    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_mok.cli", "layer", "--ep", "1", "--tokens", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    ours = [ln for ln in proc.stderr.splitlines() if ln.startswith("mok: ")]
+    assert ours == [
+        "mok: rank 0 failed: megatron_mok.backend.MokBackendError: MOK_BACKEND='bogus' is not one of "
+        "auto, reference, kernel"
+    ], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    verbose = subprocess.run([*cmd, "--verbose"], capture_output=True, text=True, timeout=300, env=env)
+    assert verbose.returncode != 0 and "Traceback" in verbose.stderr
+
+
+def test_training_example_checks_its_arguments():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_gpt_moe.py"
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1, got 0"), (["--ep", "3"], "--ep 3 does not divide")):
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", str(script), *argv], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
