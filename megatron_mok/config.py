@@ -175,6 +175,20 @@ class MokConfig:
         kernel = _parse_kernel(raw, self.model, self.source, explicit_minibatch=True)
         return MokConfig(model=self.model, kernel=kernel, source=self.source)
 
+    def kernel_warning(self) -> str | None:
+        """Why the kernel settings will leave the GPU under-filled (a minibatch below the two-GEMM-waves minimum),
+        or None: said once by the layer when the kernel backend runs, not where the config is only read."""
+        k = self.kernel
+        derived = min_minibatch_tokens(
+            self.model.moe_ffn_hidden_size, k.compute_sms, k.gemm_tile_m, k.gemm_tile_n, k.minibatch_align
+        )
+        if k.minibatch_tokens >= derived:
+            return None
+        return (
+            f"{self.source}: kernel.minibatch_tokens={k.minibatch_tokens} is below the two-GEMM-waves minimum "
+            f"{derived} for {k.compute_sms} compute SMs; the expert FFN will under-fill the GPU"
+        )
+
     def check_against(self, transformer_config: Any, ep_size: int | None = None) -> None:
         """Raise if this config was made for another architecture than ``transformer_config``."""
         check_against_transformer_config(self, transformer_config, ep_size)
@@ -341,20 +355,7 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
             raise bad("minibatch_tokens", f"must be positive, got {mb}")
         if mb % spec.minibatch_align:
             raise bad("minibatch_tokens", f"must be a multiple of minibatch_align={spec.minibatch_align}, got {mb}")
-        if mb < derived and (source, mb) not in _WARNED:
-            _WARNED.add((source, mb))
-            logger.warning(
-                "%s: kernel.minibatch_tokens=%d is below the two-GEMM-waves minimum %d for %d compute SMs; "
-                "the expert FFN will under-fill the GPU",
-                source,
-                mb,
-                derived,
-                spec.compute_sms,
-            )
     return spec
-
-
-_WARNED: set[tuple[str, int]] = set()
 
 
 def parse_config(raw: Any, source: str = "<memory>") -> MokConfig:

@@ -185,5 +185,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         self.last_plan = plan
         if backend.name != self.last_backend:  # once per layer and backend change: which path trains
             logger.info("MoK layer: %s backend (EP %d, %s)", backend.name, self.transport.world_size, k.dtype)
+            warning = self.mok_config.kernel_warning() if backend.name == "kernel" else None
+            if warning is not None:
+                logger.warning("MoK: %s", warning)
         self.last_backend = backend.name
         return out

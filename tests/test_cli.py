@@ -57,3 +57,11 @@ def test_training_example_checks_its_arguments():
             [sys.executable, "-W", "ignore", str(script), *argv], capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_check_gives_a_verdict():
+    cmd = [sys.executable, "-m", "megatron_mok.cli", "layer", "--ep", "1", "--tokens", "64", "--check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(tolerance 1e-05): PASS" in proc.stdout, proc.stdout
+    assert "UserWarning" not in proc.stderr, proc.stderr[-2000:]  # Megatron's optional-package notes filtered

@@ -240,3 +240,15 @@ def test_fp8_dtype_needs_whole_scale_blocks():
     raw["model"]["moe_ffn_hidden_size"] = 192  # 1.5 blocks of 128
     with pytest.raises(MokConfigError, match="multiples of 128.*/ 192"):
         parse_config(raw, "cfg.yaml")
+
+
+def test_kernel_warning_only_when_asked(caplog):
+    """A minibatch below the two-waves minimum is not logged where a config is only read (the CLI's info, CPU
+    runs); the layer says it once when the kernel backend runs (kernel_warning)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config("tiny-test")
+    assert not [r for r in caplog.records if "under-fill" in r.getMessage()]
+    assert "below the two-GEMM-waves minimum" in cfg.kernel_warning()
+    assert load_config("kimi-k2").kernel_warning() is None
