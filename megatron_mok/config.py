@@ -88,7 +88,7 @@ class KernelSpec:
     #: Minibatch of the backward kernel (0: minibatch_tokens). The backward keeps every routed row in
     #: its layout-order buffers (no ring), so this is only its scheduling granularity: larger ones cut
     #: the per-minibatch dependency waits (Kimi-K2 slice on the H200: 6144 ran 1.22x Megatron's
-    #: backward, 2560 / 4096 1.18-1.20x; scripts/NOTES-backward.md).
+    #: backward, 2560 / 4096 1.18-1.20x).
     backward_minibatch_tokens: int = 0
     #: GEMM tile used to derive the minibatch from the two-waves rule.
     gemm_tile_m: int = 128

@@ -97,7 +97,7 @@ def fp8_expert_ffn_backward(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor, glu: Glu = PLAIN
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx [T, H], dw1 [2F, H], dw2 [H, F], fp32) of ``fp8_expert_ffn`` for the output
-    gradient gy [T, H], with the FP8 recipe the backward kernel is to follow (scripts/NOTES-fp8.md):
+    gradient gy [T, H], with the FP8 recipe the backward kernel follows:
 
     * dgrad in FP8: dA = gy @ W2 and dX = dH @ W1 quantise gy / dH per 1 x 128 block along their K
       (H / 2F) and read the weights transposed. A 128 x 128 block quantisation of W^T is the transpose

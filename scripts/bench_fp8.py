@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 vs BF16 MoK forward on the H200, one run (issue #5): Kimi-K2 and DeepSeek-V3 per-GPU slices.
+"""FP8 vs BF16 MoK forward on a Hopper GPU, one run: Kimi-K2 and DeepSeek-V3 per-GPU slices.
 
 For each slice (emulated EP 1, one launch, same inputs):
   dense   : torch.mm bf16 at the fc1 and fc2 shapes with the same row count (the ceiling, this run)
@@ -173,7 +173,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
     for r in range(args.rounds):
         # a fresh order each round (seeded): a rotation keeps every variant behind the same neighbour, and
         # under the power cap a kernel's clock depends on what ran just before it (A/B runs 2 and 4 of
-        # 2026-12-05 each favoured whichever variant followed the plain fp8 kernel by ~4 %)
+        # once each favoured whichever variant followed the plain fp8 kernel by ~4 %)
         for key in random.Random(1000 + r).sample(keys, len(keys)):
             t0 = time.monotonic()
             if key == "dense":  # no host preparation to speak of: its call time is its device time

@@ -1,4 +1,4 @@
-"""FP8 block-scaled grouped GEMM unit vs bf16 on the H200 (issue #5, step 1): the Kimi-K2 slice's fc1
+"""FP8 block-scaled grouped GEMM unit vs bf16 on a Hopper GPU: the Kimi-K2 slice's fc1
 (K = H 7168 -> N = 2F 4096) and fc2 (K = F 2048 -> N = H 7168) over 8 experts x 8192 rows.
 
 Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs and to one dense bf16 GEMM of the same

@@ -92,8 +92,8 @@ def main() -> int:
     print("launching", flush=True)
     kernel.mok_forward_emulated(x, idx, wts, w1, w2, check=False, timeline=buf, timeout_ms=args.timeout_ms, **kw)
     done.record()
-    # the wait runs from the launch's return: a first launch that built the library (the fourteenth session
-    # found the twelfth's snapshot read at once, CTA by CTA, instead of after --wait) must not eat it up
+    # the wait runs from the launch's return: a first launch that builds the library (a snapshot was once read
+    # at once, CTA by CTA, instead of after --wait) must not eat it up
     t0 = time.time()
     print(f"launch returned after {t0 - t_launch:.2f} s", flush=True)
     while time.time() - t0 < args.wait:

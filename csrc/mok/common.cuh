@@ -197,8 +197,7 @@ __device__ __forceinline__ long long fp8_scale_step(const Params& P) { return fp
 // the launcher runs the lean instance (kFeat 0) unless a launch asks for one of them, the SwiGLU-variant
 // instance (kFeatGlu) when that is the only one, and the one with all of them (kFeatAll) otherwise. Each
 // compiled-in feature's run-time tests and code sat in every launch's hot paths: the FP8 forward with all of
-// them compiled in and none used ran ~5 % slower than without them (Kimi-K2 slice, side by side on an H100,
-// scripts/NOTES-kernel.md fourteenth session).
+// them compiled in and none used ran ~5 % slower than without them (Kimi-K2 slice, side by side on an H100).
 enum FwdFeature : int {
   kFeatChunks = 1,    // token chunks (MOK_MACROBATCHES > 1: segments, early chunk sums)
   kFeatFastSilu = 2,  // the FP8 fc1 epilogue's tanh.approx SiLU (MOK_FP8_FAST_SILU=1)

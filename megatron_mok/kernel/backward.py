@@ -1,6 +1,6 @@
 """MoK backward megakernel (BF16, Hopper sm_90a): build, ctypes binding and the emulated-EP entry point.
 
-What runs where (see scripts/NOTES-backward.md):
+What runs where:
 
 * ONE persistent cooperative kernel launch (``csrc/mok/host/backward.cu``) does, for R emulated ranks:
   the schedule (the forward's layout, recomputed from the routing), the pull reverse-combine

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) block-scaled grouped GEMM on the H200: the unit kernel of the FP8 path (issue #5).
+"""FP8 (e4m3) block-scaled grouped GEMM on Hopper: the unit kernel of the FP8 path.
 
 ``fp8_grouped_gemm`` runs ``csrc/mok/gemm/fp8_gemm.cuh`` (in the forward library): for each expert's rows
 (segments back to back from row 0) ``out = x @ w_e^T`` from e4m3 operands with DeepSeek-V3 block scales

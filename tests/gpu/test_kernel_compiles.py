@@ -19,7 +19,7 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert len(data) > 0
     # the fused kernel is in the cubin
     assert b"mok_forward_kernel" in data
-    # and the FP8 block-scaled GEMM unit (issue #5)
+    # and the FP8 block-scaled GEMM unit
     assert b"mok_fp8_gemm_kernel" in data
 
 
@@ -54,8 +54,7 @@ def test_lean_forward_instances():
     which default launches run, one with the SwiGLU variant alone, and one with token chunks / the fast SiLU /
     the SwiGLU variant compiled in. With
     all of them in the one kernel the FP8 forward ran ~5 % slower with every feature off (its code in the hot
-    loops: 26160 instead of 18552 instructions, 352 instead of 84 bytes of spill stores;
-    scripts/NOTES-kernel.md, fourteenth session). Both instances must exist, and the lean FP8 one must stay
+    loops: 26160 instead of 18552 instructions, 352 instead of 84 bytes of spill stores). Both instances must exist, and the lean FP8 one must stay
     lean: a feature's code that leaks into it shows as spills first."""
     from megatron_mok.kernel.host import build
 

@@ -1,4 +1,4 @@
-// FP8 (e4m3) grouped GEMM with DeepSeek-V3 block scales (issue #5, step 1 of scripts/NOTES-fp8.md):
+// FP8 (e4m3) grouped GEMM with DeepSeek-V3 block scales, the FP8 path's unit kernel (tested and benchmarked alone):
 //   out[r, n] = sum_kb ( sum_{k in kb} xq[r, k] * wq_e[n, k] ) * xs[r, kb] * ws_e[n / 128, kb]
 // for the rows r of each expert e (segments back to back from row 0), bf16 output. xs: one fp32 scale
 // per 1 x 128 activation block, ws: one per 128 x 128 weight block (megatron_mok/fp8.py is the oracle).

