@@ -105,20 +105,43 @@ def train(rank: int, ws: int, args) -> None:
             )
     gap = max(abs(a - b) for a, b in zip(curves["alltoall"], curves["mok"]))
     if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "rank": rank,
-                    "mok_backend": backends,
-                    "alltoall": curves["alltoall"][:: max(1, args.steps // 10)],
-                    "mok": curves["mok"][:: max(1, args.steps // 10)],
-                    "max_gap": gap,
-                }
-            )
-        )
+        print(loss_table(curves, backends, gap), flush=True)
+        if args.plot:
+            print(plot_curves(curves, args.plot), flush=True)
     if args.out:
         with open(f"{args.out}.{rank}", "w") as f:
             json.dump({**curves, "max_gap": gap, "mok_backend": backends, "param_dtypes": param_dtypes}, f)
+
+
+def loss_table(curves: dict[str, list[float]], backends: list, gap: float, rows: int = 10) -> str:
+    """Both loss curves side by side (every n-th step, the last one always), and their largest gap."""
+    n = len(curves["mok"])
+    steps = sorted({*range(0, n, max(1, n // rows)), n - 1})
+    lines = [f"{'step':>6} {'alltoall':>12} {'mok':>12}   (mok backend: {', '.join(map(str, backends))})"]
+    lines += [f"{i:>6} {curves['alltoall'][i]:>12.6f} {curves['mok'][i]:>12.6f}" for i in steps]
+    lines.append(f"largest gap between the curves over {n} steps: {gap:.3e}")
+    return "\n".join(lines)
+
+
+def plot_curves(curves: dict[str, list[float]], path: str) -> str:
+    """Both loss curves as a PNG (needs matplotlib: pip install 'megatron-mok[plot]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"no plot: matplotlib is not installed (pip install 'megatron-mok[plot]'); {path} not written"
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name in ("alltoall", "mok"):
+        ax.plot(curves[name], label=name, linestyle="-" if name == "alltoall" else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"loss curves: {path}"
 
 
 def _fail(msg: str) -> None:
@@ -142,6 +165,7 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="write full loss curves to OUT.<rank> (json)")
+    p.add_argument("--plot", default=None, help="save both loss curves as this PNG (needs matplotlib)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
     args = p.parse_args(argv)
     for name in ("ep", "steps", "layers", "hidden", "ffn", "experts", "topk", "vocab", "seq", "batch"):

@@ -38,3 +38,15 @@ def test_gpt_moe_bf16_training_on_cpu(tmp_path):
     assert m[-1] < m[0] - 0.3, f"loss did not go down ({m[0]:.3f} -> {m[-1]:.3f})"
     assert curves["max_gap"] < 0.05 * a[0], curves["max_gap"]
     assert curves["param_dtypes"] == ["torch.bfloat16"], curves["param_dtypes"]
+
+
+def test_loss_table_shows_both_curves():
+    import train_gpt_moe
+
+    curves = {"alltoall": [4.0 - 0.1 * i for i in range(25)], "mok": [4.0 - 0.1 * i + 1e-7 for i in range(25)]}
+    table = train_gpt_moe.loss_table(curves, ["reference"], 1e-7).splitlines()
+    assert table[0].split()[:3] == ["step", "alltoall", "mok"]
+    rows = [ln.split() for ln in table[1:-1]]
+    assert [int(r[0]) for r in rows][0] == 0 and int(rows[-1][0]) == 24  # first and last step always shown
+    assert all(abs(float(r[1]) - curves["alltoall"][int(r[0])]) < 1e-6 for r in rows)
+    assert "largest gap between the curves over 25 steps: 1.000e-07" in table[-1]
