@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 fig.savefig(args.plot, dpi=120)
                 print(f"plot: {args.plot}")
             except ImportError:
-                print("matplotlib not installed: no plot")
+                print("no plot: matplotlib is not installed (pip install 'megatron-mok[plot]')")
     import torch.distributed as dist
 
     dist.destroy_process_group()
