@@ -1,4 +1,4 @@
-"""CUDA-event timing shared by the tuner (``mok tune``) and the benchmarks in scripts/."""
+"""CUDA-event timing shared by the tuner (``mok tune``) and the benchmarks in benchmarks/."""
 
 from __future__ import annotations
 

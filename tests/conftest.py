@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on the H200 (scripts/run_gpu_suite.sh)")
+    skip = pytest.mark.skip(reason="no CUDA device: GPU tests run on the H200 (tools/run_gpu_suite.sh)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)

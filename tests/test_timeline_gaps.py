@@ -1,4 +1,4 @@
-"""scripts/timeline_gaps.py: the idle between one SM's GEMM tiles, on a hand-made timeline whose gaps are known."""
+"""tools/timeline_gaps.py: the idle between one SM's GEMM tiles, on a hand-made timeline whose gaps are known."""
 
 from __future__ import annotations
 

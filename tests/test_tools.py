@@ -46,7 +46,7 @@ def test_compare_dispatchers_runs_and_skips_missing_backends(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(REPO, "scripts", "compare_dispatchers.py"),
+            os.path.join(REPO, "benchmarks", "compare_dispatchers.py"),
             "--config",
             "tiny-test",
             "--tokens",

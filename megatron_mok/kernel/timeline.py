@@ -6,7 +6,7 @@ gradient (+ act rows) as background work of the comm SMs, and the grad_x sum.
     tl = Timeline(cap=4096)
     mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank / mok_backward_emulated
     events = tl.events()                        # after the launch finished
-    render_png(events, "timeline.png")          # scripts/timeline.py does both
+    render_png(events, "timeline.png")          # tools/timeline.py does both
 
 Recording costs one globaltimer read and one store per event; without a Timeline the kernel skips it.
 """

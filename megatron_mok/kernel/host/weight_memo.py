@@ -4,7 +4,7 @@ Every launch checks each local expert weight (type, dtype, shape, device, contig
 hands the library its device pointer. That is several Python attribute reads per tensor: with 32 local
 experts and FP8 (e4m3 weights, their scales and the bf16 masters that give the shapes) a quarter of a
 millisecond per call on the H200's host, a few percent of a DeepSeek-V3 slice's layer time whenever the
-GPU waits for the launch (``scripts/host_overhead.py``). A layer passes the same tensors call after call
+GPU waits for the launch (``benchmarks/host_overhead.py``). A layer passes the same tensors call after call
 (an optimizer updates them in place), so a passed check is remembered for that exact list of tensor
 objects at those exact addresses. A later call with the same objects (weak references, so an object that
 died and whose id was reused is a miss) at the same data pointers and versions (read again on every call:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install megatron-mok (editable) with what its tests need, on CPU or GPU machines.
-#   bash scripts/install.sh            # uses the active python / venv
+#   bash tools/install.sh            # uses the active python / venv
 # * CPU-only machine without torch: installs the CPU build of torch (not a multi-GB CUDA build).
 # * Python 3.11: megatron-core >= 0.17 declares Requires-Python >= 3.12, yet its cp311 wheel works;
 #   it is installed alone with --ignore-requires-python (never for other packages: that would pick

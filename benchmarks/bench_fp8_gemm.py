@@ -3,7 +3,7 @@
 
 Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs and to one dense bf16 GEMM of the same
 size in the same run, and the FP8 output's relative error against the bf16 product.
-    python scripts/bench_fp8_gemm.py [--rows-per-expert 8192] [--experts 8]
+    python benchmarks/bench_fp8_gemm.py [--rows-per-expert 8192] [--experts 8]
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ One process, same inputs for every method. CUDA events, warmup, median of --iter
   dense      : torch.mm bf16 ceiling at the fc1 and fc2 shapes with the same row count
 TFLOP/s counts 2*rows*H*2F + 2*rows*F*H (rows = routed (token, k) rows).
 
-  python scripts/bench_forward.py                       # kimi + qwen shapes
-  python scripts/bench_forward.py --shapes kimi --sweep # also sweep comm_sms x minibatch
+  python benchmarks/bench_forward.py                       # kimi + qwen shapes
+  python benchmarks/bench_forward.py --shapes kimi --sweep # also sweep comm_sms x minibatch
 """
 
 from __future__ import annotations

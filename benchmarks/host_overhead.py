@@ -2,11 +2,11 @@
 """Host time of one MoK forward call, by part (H200 or any CUDA GPU): what a per-call CUDA-event timing
 adds to the layer's device time while the GPU waits for the launch.
 
-For each slice of scripts/bench_fp8.py (Kimi-K2 L=8, DeepSeek-V3 L=32) and kernel (bf16, fp8) it prints
+For each slice of benchmarks/bench_fp8.py (Kimi-K2 L=8, DeepSeek-V3 L=32) and kernel (bf16, fp8) it prints
 the median microseconds of the whole call and of its parts: the Python argument checks (_validate), the
 expert-weight pointer tables (set_expert_weights, which checks FP8 weights), the library's launcher (tensor
 maps, staging upload, zeroing, the cooperative launch) and the rest (allocations, ctypes structs).
-    python scripts/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
+    python benchmarks/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
 """
 
 from __future__ import annotations

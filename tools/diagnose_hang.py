@@ -8,7 +8,7 @@ polls; if the launch has not finished after --wait seconds it prints, per CTA, t
 thread, the rest of warpgroup 0 and each consumer warp's lane 0, grouped into the distinct patterns, and
 exits without synchronising (the caller's timeout ends the process).
 
-    python3 scripts/diagnose_hang.py --dtype fp8 --comm 0
+    python3 tools/diagnose_hang.py --dtype fp8 --comm 0
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a forward timeline's GEMM SMs sit idle: per-minibatch progress and the gaps between one SM's
-consecutive GEMM tiles, by transition (fc1 -> fc1, fc2 -> fc2, ...). Reads the JSON of scripts/timeline.py.
+consecutive GEMM tiles, by transition (fc1 -> fc1, fc2 -> fc2, ...). Reads the JSON of tools/timeline.py.
 
-    python scripts/timeline_gaps.py timeline-dsv3.json [more.json ...]
+    python tools/timeline_gaps.py timeline-dsv3.json [more.json ...]
 
 A gap is the time from a tile's end event (its epilogue's stores issued) to the next tile's start on the same
 SM (the consumers have the next tile's info): the producer's ticket, dependency wait and publication that
@@ -95,7 +95,7 @@ def report(events: list[TimelineEvent], per_minibatch: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="+", help="timeline JSON files (scripts/timeline.py --out NAME writes NAME.json)")
+    ap.add_argument("json", nargs="+", help="timeline JSON files (tools/timeline.py --out NAME writes NAME.json)")
     ap.add_argument("--minibatches", action="store_true", help="also print each minibatch's first / last tile")
     args = ap.parse_args()
     for path in args.json:

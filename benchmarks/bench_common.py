@@ -1,4 +1,4 @@
-"""Helpers shared by scripts/bench_forward.py and scripts/bench_backward.py: CUDA-event timing
+"""Helpers shared by benchmarks/bench_forward.py and benchmarks/bench_backward.py: CUDA-event timing
 (megatron_mok.timing, also the tuner's), the synthetic MoE inputs, and the Megatron-Core baseline
 (alltoall dispatcher + SequentialMLP at EP = 1)."""
 

@@ -12,7 +12,7 @@ One process, same inputs for every method; CUDA events around one call, warmup, 
                   (fc1 output saved by autograd, no recompute)
 FLOPs: model backward = 2 x forward = 12 * rows * H * F; MoK and torch also recompute fc1 (+4 * rows * H * F).
 
-  python scripts/bench_backward.py [--tokens 8192] [--comm-sms 8] [--minibatch 2560] [--no-mcore]
+  python benchmarks/bench_backward.py [--tokens 8192] [--comm-sms 8] [--minibatch 2560] [--no-mcore]
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Same model config, same weights (state dict copied from the first layer built), 
 Backends that are not installed are skipped with a message. Prints per-GPU layer time (forward and
 forward+backward), tokens/s per GPU and the ratio to ``alltoall``; saves a bar plot (PNG).
 
-    torchrun --nproc-per-node 8 scripts/compare_dispatchers.py --config kimi-k2 --tokens 8192
-    python scripts/compare_dispatchers.py --config tiny-test --tokens 256 --iters 2   # 1 process (CPU ok)
+    torchrun --nproc-per-node 8 benchmarks/compare_dispatchers.py --config kimi-k2 --tokens 8192
+    python benchmarks/compare_dispatchers.py --config tiny-test --tokens 256 --iters 2   # 1 process (CPU ok)
 
 EP = number of processes. The model uses the config's per-layer shapes; at small EP the expert
 count is reduced to ``--experts-per-rank * EP`` so the layer fits one GPU (per-expert shapes unchanged).

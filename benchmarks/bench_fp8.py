@@ -11,9 +11,9 @@ Prints ms, TFLOP/s (2*rows*H*2F + 2*rows*F*H), bf16 / dense, fp8 speedup over bf
 relative error vs the fp32 layer (first --err-tokens tokens).
 --backward: also the backward kernel from the saved fc1 output, bf16 dgrad vs FP8 dgrad (each with the
 bf16 wgrad kernel, and dgrad alone), and grad_x's relative error vs fp32 autograd.
-    python scripts/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
+    python benchmarks/bench_fp8.py [--shapes kimi,dsv3] [--comm-sms 16] [--minibatch 2560]
         [--sweep-comm 8,12 --sweep-mb 4096,6144]   # both kernels over this grid too; each at its best
-    python scripts/bench_fp8.py --backward --configs --comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 7
+    python benchmarks/bench_fp8.py --backward --configs --comm-sms 0 --minibatch 4096 --ring-slots 4 --rounds 7
         # each forward kernel at its slice's shipped config (--configs covers the forward only; the backward
         # runs --minibatch / --ring-slots / --bwd-comm-sms)
 """

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Record a MoK kernel's in-kernel timeline and render it as a PNG (one row per SM).
 
-    python scripts/timeline.py --config kimi-k2 --out timeline       # GPU: writes timeline.json (+ .png)
-    python scripts/timeline.py --pass backward --out timeline-bwd    # the backward kernel (saved h)
-    python scripts/timeline.py --dtype fp8 --out timeline-fp8        # the FP8 forward kernel
-    python scripts/timeline.py --pass backward --dtype fp8 --out timeline-bwd-fp8   # FP8 dgrad
-    python scripts/timeline.py --render timeline.json                # anywhere with matplotlib: the PNG
+    python tools/timeline.py --config kimi-k2 --out timeline       # GPU: writes timeline.json (+ .png)
+    python tools/timeline.py --pass backward --out timeline-bwd    # the backward kernel (saved h)
+    python tools/timeline.py --dtype fp8 --out timeline-fp8        # the FP8 forward kernel
+    python tools/timeline.py --pass backward --dtype fp8 --out timeline-bwd-fp8   # FP8 dgrad
+    python tools/timeline.py --render timeline.json                # anywhere with matplotlib: the PNG
 
 Shows when each SM ran schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final
 weighted sum, so the overlap of dispatch, expert GEMMs and combine (and idle gaps) is visible.

@@ -2,7 +2,7 @@
 """Where a MoK forward call's time goes: GPU time per operation (torch.profiler / CUPTI) and host time
 per call, for the bf16 and the fp8 kernel on the Kimi-K2 slice (emulated EP 1).
 
-    python scripts/profile_forward.py [--calls 5] [--dtype bf16,fp8]
+    python benchmarks/profile_forward.py [--calls 5] [--dtype bf16,fp8]
 
 Prints, per dtype: host milliseconds per call (Python + library up to the launch returning), the
 profiler's table of GPU operations (kernel, memsets, the tensor-map upload) over --calls back-to-back

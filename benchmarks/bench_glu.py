@@ -4,7 +4,7 @@ the bf16 backward (saved fc1 output), on a model slice (default Kimi-K2: hidden 
 experts, top-8, 8192 tokens, EP 1, the kimi-k2 config's kernel settings). Prints the variant's time over the plain one's (median of the rounds'
 medians) and, with --json, writes the figures there.
 
-    python scripts/bench_glu.py [--tokens 8192] [--rounds 5] [--json out.json]
+    python benchmarks/bench_glu.py [--tokens 8192] [--rounds 5] [--json out.json]
 """
 
 from __future__ import annotations
