@@ -25,7 +25,7 @@
 #endif
 // Hang diagnosis (ablation build, MOK_DEBUG bit 256): each thread's last progress code in P.timeline, read
 // as unsigned [grid][kThreads] -- host-mapped memory the host reads while the kernel runs (timeline events
-// are off then). scripts/diagnose_hang.py prints where every CTA's threads are.
+// are off then). tools/diagnose_hang.py prints where every CTA's threads are.
 #ifdef MOK_ABLATION
 #define MOK_PROGRESS(code)                                                                                 \
   do {                                                                                                     \

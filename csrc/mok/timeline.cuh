@@ -1,5 +1,5 @@
 // Optional in-kernel timeline: per-CTA intervals (globaltimer ns) of what each SM was doing, so users
-// can see the overlap of dispatch, expert GEMMs and combine (scripts/timeline.py renders them).
+// can see the overlap of dispatch, expert GEMMs and combine (tools/timeline.py renders them).
 // Off unless the launcher passes a buffer (P.timeline == nullptr: one predictable branch per event).
 #pragma once
 #include "common.cuh"
