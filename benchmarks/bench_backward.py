@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, pipelined, timeit  # noqa: E402
+from bench_common import PEAK, make_inputs, mcore_forward, mcore_layer, pipelined, timeit  # noqa: E402
 
 
 def rel(a, b):
@@ -358,15 +358,7 @@ def main():
     m_ms = m_pipe = None
     if not args.no_mcore:
         try:
-            experts, disp = mcore_setup(H, F, K, L, port="29535")
-            with torch.no_grad():
-                for e in range(L):
-                    experts.local_experts[e].linear_fc1.weight.copy_(w1[e])
-                    experts.local_experts[e].linear_fc2.weight.copy_(w2[e])
-            routing_map = torch.zeros((T, L), dtype=torch.bool, device="cuda")
-            routing_map.scatter_(1, idx.long(), True)
-            probs0 = torch.zeros((T, L), dtype=torch.float32, device="cuda")
-            probs0.scatter_(1, idx.long(), w)
+            experts, disp, routing_map, probs0 = mcore_layer(H, F, K, L, w1, w2, idx, w, port="29535")
             xi = x.clone().requires_grad_()
             probs = probs0.clone().requires_grad_()
             out = mcore_forward(experts, disp, xi, routing_map, probs)

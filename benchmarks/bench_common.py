@@ -81,6 +81,23 @@ def mcore_setup(H: int, F: int, K: int, L: int, port: str = "29533"):
     return experts, disp
 
 
+def mcore_layer(H: int, F: int, K: int, L: int, w1, w2, idx, w, port: str = "29533"):
+    """Megatron's SequentialMLP + alltoall dispatcher at EP = 1 carrying MoK's expert weights (w1, w2), and
+    MoK's top-k routing (idx, w) as Megatron's dense routing map and probabilities: the same layer, Megatron's
+    way. Returns (experts, dispatcher, routing_map, probs)."""
+    experts, disp = mcore_setup(H, F, K, L, port)
+    with torch.no_grad():
+        for e in range(L):
+            experts.local_experts[e].linear_fc1.weight.copy_(w1[e])
+            experts.local_experts[e].linear_fc2.weight.copy_(w2[e])
+    T = idx.shape[0]
+    routing_map = torch.zeros((T, L), dtype=torch.bool, device="cuda")
+    routing_map.scatter_(1, idx.long(), True)
+    probs = torch.zeros((T, L), dtype=torch.float32, device="cuda")
+    probs.scatter_(1, idx.long(), w)
+    return experts, disp, routing_map, probs
+
+
 def mcore_forward(experts, disp, x, routing_map, probs):
     hs, pp = disp.dispatch_preprocess(x, routing_map, probs)
     hs, pp = disp.token_dispatch(hs, pp)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_common import PEAK, make_inputs, mcore_forward, mcore_setup, timeit  # noqa: E402
+from bench_common import PEAK, make_inputs, mcore_forward, mcore_layer, pipelined, timeit  # noqa: E402
 
 from megatron_mok import env  # noqa: E402
 from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
@@ -40,20 +40,6 @@ SHAPES = {
     "kimi": (7168, 2048, 8, 8, 8192),  # Kimi-K2 per-GPU slice: 65536 routed rows, 8 local experts
     "qwen": (2048, 768, 8, 16, 4096),  # Qwen3-30B-A3B-like slice: 32768 rows, 16 local experts
 }
-
-
-def timeit_pipelined(fn, iters, warmup):
-    """Back-to-back launches without host sync: host-side launch work overlaps the previous kernel."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / iters
 
 
 def torch_forward(x, idx, w, w1t, w2t, L, F):
@@ -110,7 +96,7 @@ def bench_shape(name, args, results):
             err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
             fn = lambda kw=kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
             ms, mn = timeit(fn, args.iters, args.warmup)
-            ms_pipe = timeit_pipelined(fn, args.iters, 1)
+            ms_pipe = pipelined(fn, args.iters, 1)
             mk.check_last_error()
             print(
                 f"MoK comm_sms={comm:3d} minibatch={mb:5d} slots={args.ring_slots} raster={raster}: {ms:8.3f} ms (min {mn:.3f}) "
@@ -177,7 +163,7 @@ def bench_shape(name, args, results):
         ):
             os.environ["MOK_DEBUG"] = f"ablation={bit}"
             try:
-                a_ms = timeit_pipelined(fn, args.iters, 2)
+                a_ms = pipelined(fn, args.iters, 2)
                 mk.check_last_error()
                 print(f"ablation bits {bit:2d} ({what}): back-to-back {a_ms:.3f} ms", flush=True)
                 res.setdefault("ablation", {})[what] = a_ms
@@ -195,15 +181,7 @@ def bench_shape(name, args, results):
 
     if not args.no_mcore:
         try:
-            experts, disp = mcore_setup(H, F, K, L)
-            with torch.no_grad():
-                for e in range(L):
-                    experts.local_experts[e].linear_fc1.weight.copy_(w1[e])
-                    experts.local_experts[e].linear_fc2.weight.copy_(w2[e])
-            routing_map = torch.zeros((T, L), dtype=torch.bool, device="cuda")
-            routing_map.scatter_(1, idx.long(), True)
-            probs = torch.zeros((T, L), dtype=torch.float32, device="cuda")
-            probs.scatter_(1, idx.long(), w)
+            experts, disp, routing_map, probs = mcore_layer(H, F, K, L, w1, w2, idx, w)
             with torch.no_grad():
                 mo = mcore_forward(experts, disp, x, routing_map, probs)
                 merr = ((mo.float() - ref.float()).norm() / ref.float().norm()).item()
