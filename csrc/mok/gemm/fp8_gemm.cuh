@@ -9,7 +9,8 @@
 // that is added to the fp32 accumulator with its two scales (64 + 64 registers per consumer thread:
 // why the tile is 128 x 128, not 128 x 256). 1 TMA producer thread + 2 consumer warpgroups,
 // kF8Stages-deep ring, tiles assigned statically (tile = blockIdx.x + i * gridDim.x), so producer and
-// consumers walk the same list without an info ring. NOT YET RUN ON A GPU.
+// consumers walk the same list without an info ring. tests/gpu/test_fp8_gemm.py checks it against the
+// FP8 recipe oracle.
 #pragma once
 #include "common.cuh"
 #include "gemm/gemm_sm90.cuh"
