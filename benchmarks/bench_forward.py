@@ -15,7 +15,6 @@ TFLOP/s counts 2*rows*H*2F + 2*rows*F*H (rows = routed (token, k) rows).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_common import PEAK, make_inputs, mcore_forward, mcore_layer, pipelined, timeit  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 from megatron_mok import env  # noqa: E402
 from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
@@ -248,8 +248,7 @@ def main():
     for name in args.shapes.split(","):
         bench_shape(name.strip(), args, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_result(args.json, "bench_forward", results)
     return 0
 
 

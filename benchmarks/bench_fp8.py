@@ -21,7 +21,6 @@ bf16 wgrad kernel, and dgrad alone), and grad_x's relative error vs fp32 autogra
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 from bench_common import GpuSampler, make_inputs, pipelined, timeit  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 from megatron_mok.timing import cuda_call_and_device_ms  # noqa: E402
 
@@ -533,8 +533,7 @@ def main() -> int:
     for name in args.shapes.split(","):
         bench(name.strip(), args, results)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        write_result(args.json, "bench_fp8", results)
     return 0
 
 

@@ -10,7 +10,6 @@ medians) and, with --json, writes the figures there.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_common import make_inputs, pipelined  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 from megatron_mok.activation import PLAIN, Glu  # noqa: E402
 
@@ -108,8 +108,7 @@ def main() -> int:
         print(f"  {what:14s} plain {p:8.3f} ms  variant {v:8.3f} ms  variant / plain {v / p:.3f}")
         result[what] = {"plain_ms": p, "variant_ms": v, "ratio": v / p}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_result(args.json, "bench_glu", result)
     return 0
 
 

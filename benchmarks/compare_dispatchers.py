@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -26,6 +25,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from result_file import write_result  # noqa: E402
 
 DISPATCHERS = {
     "mok": dict(dispatcher="mok"),
@@ -173,8 +174,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{r['dispatcher']:16s} {r['fwd_ms']:9.3f} {r['fwd_bwd_ms']:11.3f} {r['tokens_per_s']:13.0f} {ratio:>28s}{extra}"
             )
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"config": m.name, "ep": world, "tokens": args.tokens, "results": results}, fh, indent=1)
+            shape = dict(hidden=m.hidden_size, ffn=m.moe_ffn_hidden_size, experts=experts, topk=m.moe_router_topk)
+            write_result(
+                args.json,
+                "compare_dispatchers",
+                results,
+                config=m.name,
+                ep=world,
+                tokens=args.tokens,
+                shape=shape,
+                dtype=str(dtype).removeprefix("torch."),
+                iters=args.iters,
+            )
         if args.plot and results:
             try:
                 import matplotlib

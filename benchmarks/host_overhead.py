@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_common import make_inputs  # noqa: E402
 from bench_fp8 import SHAPES  # noqa: E402
+from result_file import write_result  # noqa: E402
 
 
 class PartTimer:
@@ -113,8 +113,7 @@ def main() -> int:
         out += shape_overheads(name, args, timer)
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+        write_result(args.json, "host_overhead", out)
     return 0
 
 

@@ -67,7 +67,7 @@ def test_compare_dispatchers_runs_and_skips_missing_backends(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[skip] flex-hybridep" in proc.stdout
-    res = {r["dispatcher"]: r for r in json.loads(out.read_text())["results"]}
+    res = {r["dispatcher"]: r for r in json.loads(out.read_text())["figures"]}
     assert {"mok", "alltoall"} <= set(res)
     assert all(r["fwd_ms"] > 0 and r["tokens_per_s"] > 0 for r in res.values())
 
