@@ -1,9 +1,9 @@
-"""Packaging hooks: ship csrc/ inside the package, and build the CUDA kernel where we can.
+"""Packaging hooks: ship csrc/ inside the package, and build the CUDA extension where we can.
 
-The kernel is a torch-independent shared library compiled by nvcc (megatron_mok/kernel/host/build.py).
-``pip install`` builds it when CUDA torch, nvcc and the CUTLASS headers are all present
-(set MOK_BUILD_KERNEL=0 to skip, =1 to make a failed build an install error); otherwise the
-package installs without it and builds it on first use, or runs the PyTorch reference.
+The extension (megatron_mok/kernel/build.py) is the kernels compiled by nvcc and the PyTorch operators compiled
+against this torch, linked into one library in the build cache. ``pip install`` builds it when CUDA torch, nvcc and
+the CUTLASS headers are all present (set MOK_BUILD_KERNEL=0 to skip, =1 to make a failed build an install error);
+otherwise the package installs without it and builds it on first use, or runs the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def _maybe_build_kernel(package_root: Path) -> None:
         return
     sys.path.insert(0, str(package_root))
     try:
-        from megatron_mok.kernel.host import build
+        from megatron_mok.kernel import build
 
         if build.find_nvcc() is None or build.cutlass_include() is None:
             raise RuntimeError("nvcc or the CUTLASS headers (pip install --no-deps nvidia-cutlass==4.2.0.0) not found")
-        lib = build.build_library(verbose=True)
-        print(f"megatron-mok: built the MoK kernel: {lib}", file=sys.stderr)
+        lib = build.build_extension(verbose=True)
+        print(f"megatron-mok: built the MoK kernels: {lib}", file=sys.stderr)
     except Exception as exc:  # noqa: BLE001
         if mode == "1":
             raise

@@ -2,7 +2,7 @@
 """Benchmark the MoK backward megakernel against unfused torch and Megatron-Core baselines (Kimi-K2 slice).
 
 One process, same inputs for every method; CUDA events around one call, warmup, median of --iters.
-  MoK dgrad     : mok_backward_emulated(..., wgrad="none")   one kernel launch (+ a W2^T copy when recomputing)
+  MoK dgrad     : mok_backward(..., wgrad="none")   one kernel launch (+ a W2^T copy when recomputing)
   MoK + grouped : wgrad="grouped" (two torch._grouped_mm after the kernel, no host sync, bf16 wgrad out)
   MoK + mm      : wgrad="mm" (2 x L cuBLAS mm with fp32 output after the kernel, one host sync)
   MoK + kernel  : wgrad="kernel" (default: the MoK wgrad kernel, fp32 out, no host sync)
@@ -28,6 +28,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_common import PEAK, make_inputs, mcore_forward, mcore_layer, pipelined, timeit  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
+
+from megatron_mok.kernel import check_last_error  # noqa: E402
 
 
 def rel(a, b):
@@ -161,12 +166,12 @@ def main():
             ("mm", "+ mm fp32 wgrad", None),
             ("kernel", "+ wgrad kernel", None),
         ):
-            fn = lambda m=mode: bk.mok_backward_emulated(  # noqa: E731
+            fn = lambda m=mode: mok_backward_emulated(  # noqa: E731
                 [go], [x], [idx], [w], comb, w1l, w2l, wgrad=m, check=False, saved_h=hbuf, kept=kept, **kw
             )
             ms, mn = timeit(fn, args.iters, args.warmup)
             pm = pipelined(fn, args.iters, 1)
-            bk.check_last_error()
+            check_last_error()
             if fl is not None:
                 extra = f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
             else:
@@ -187,7 +192,7 @@ def main():
         for comm in configs:
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             try:
-                gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, **kw)
+                gx, gw, g1, g2 = mok_backward_emulated([go], [x], [idx], [w], [comb], w1l, w2l, **kw)
                 print(
                     f"MoK comm_sms={comm} minibatch={args.minibatch} slots={args.ring_slots}: "
                     + err_text(gx, gw, g1, g2),
@@ -199,7 +204,7 @@ def main():
                     ("mm", "+ mm fp32 wgrad", None),
                     ("kernel", "+ wgrad kernel", None),
                 ):
-                    fn = lambda m=mode, kw=kw: bk.mok_backward_emulated(
+                    fn = lambda m=mode, kw=kw: mok_backward_emulated(
                         [go],
                         [x],
                         [idx],
@@ -212,7 +217,7 @@ def main():
                         **kw,
                     )
                     ms, mn = timeit(fn, args.iters, args.warmup)
-                    bk.check_last_error()
+                    check_last_error()
                     if fl is not None:
                         extra = (
                             f"{tf(fl, ms):6.1f} executed dgrad TFLOP/s ({tf(fl, ms) / PEAK * 100:4.1f}% of {PEAK:.0f})"
@@ -237,8 +242,8 @@ def main():
             comm = args.comm_sms
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
             hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-            _, kcomb, _ = fk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, **kw)
-            gx, gw, g1, g2, bufs = bk.mok_backward_emulated(
+            _, kcomb, _ = mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, **kw)
+            gx, gw, g1, g2, bufs = mok_backward_emulated(
                 [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, return_buffers=True, **kw
             )
             print(f"MoK saved-h comm_sms={comm}: " + err_text(gx, gw, g1, g2), flush=True)
@@ -260,7 +265,7 @@ def main():
                 )
             time_saved_h_modes("saved-h", "saved h", "saved h", comm, kw, kcomb, hbuf, None)
             if args.profile:  # where a saved-h backward's GPU time goes, kernel by kernel (gaps = the rest)
-                fn = lambda: bk.mok_backward_emulated(  # noqa: E731
+                fn = lambda: mok_backward_emulated(  # noqa: E731
                     [go], [x], [idx], [w], kcomb, w1l, w2l, check=False, saved_h=hbuf, **kw
                 )
                 for _ in range(2):
@@ -310,11 +315,11 @@ def main():
 
                 fkw = dict(comm_sms=8, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
                 hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-                kept = fk.KeptRows.allocate(1, rows, H, F, args.minibatch, "cuda")
-                _, kcomb, _ = fk.mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept, **fkw)
+                kept = fk.KeptRows.allocate(rows, H, F, args.minibatch, "cuda")
+                _, kcomb, _ = mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept, **fkw)
                 for comm in args.kept_comm_sms:
                     kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
-                    res = bk.mok_backward_emulated(
+                    res = mok_backward_emulated(
                         [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, kept=kept, **kw
                     )
                     print(f"MoK saved-h+kept comm_sms={comm}: " + err_text(*res), flush=True)
@@ -333,19 +338,19 @@ def main():
 
                         kc = load_config("kimi-k2").kernel
                         fwk = dict(comm_sms=kc.comm_sms, ring_slots=kc.ring_slots, minibatch_tokens=kc.minibatch_tokens)
-                        kept_fb = fk.KeptRows.allocate(1, rows, H, F, kc.minibatch_tokens, "cuda")
+                        kept_fb = fk.KeptRows.allocate(rows, H, F, kc.minibatch_tokens, "cuda")
 
                         def mok_fwd_bwd(kw=kw, kept_fb=kept_fb, fwk=fwk):
-                            _, c, _ = fk.mok_forward_emulated(
+                            _, c, _ = mok_forward_emulated(
                                 [x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept_fb, check=False, **fwk
                             )
-                            return bk.mok_backward_emulated(
+                            return mok_backward_emulated(
                                 [go], [x], [idx], [w], c, w1l, w2l, saved_h=hbuf, kept=kept_fb, check=False, **kw
                             )
 
                         mok_fb, _ = timeit(mok_fwd_bwd, args.iters, args.warmup)
                         mok_fb_pipe = pipelined(mok_fwd_bwd, args.iters, 2)
-                        bk.check_last_error()
+                        check_last_error()
                         print(
                             f"MoK forward (comm {kc.comm_sms}, mb {kc.minibatch_tokens}, saved h + kept) + backward (comm {comm}, mb "
                             f"{args.minibatch}, wgrad kernel): {mok_fb:8.3f} ms; pipelined {mok_fb_pipe:.3f} ms/call",

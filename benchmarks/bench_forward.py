@@ -2,7 +2,7 @@
 """Benchmark the fused MoK forward megakernel against unfused torch and Megatron-Core baselines.
 
 One process, same inputs for every method. CUDA events, warmup, median of --iters.
-  MoK        : megatron_mok.kernel.mok_forward_emulated (EP=1 emulated, one launch)
+  MoK        : megatron_mok.kernel.mok_forward (EP 1, one launch)
   torch      : permute (argsort) + torch._grouped_mm fc1 + SwiGLU + torch._grouped_mm fc2 + unpermute + weighted sum
   mcore      : Megatron-Core MoEAlltoAllTokenDispatcher + SequentialMLP at EP=1 (if megatron.core imports)
   dense      : torch.mm bf16 ceiling at the fc1 and fc2 shapes with the same row count
@@ -24,10 +24,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_common import PEAK, make_inputs, mcore_forward, mcore_layer, pipelined, timeit  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from emulated import mok_forward_emulated  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 from megatron_mok import env  # noqa: E402
-from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
+from megatron_mok.kernel import check_last_error  # noqa: E402
+from megatron_mok.kernel.tuning import ForwardTuning  # noqa: E402
 
 
 def tuning(raster: int | None) -> ForwardTuning:
@@ -92,12 +96,12 @@ def bench_shape(name, args, results):
     for comm, mb, raster in configs:
         try:
             kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=mb, tuning=tuning(raster))
-            out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw)
+            out, _, _ = mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw)
             err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
-            fn = lambda kw=kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
+            fn = lambda kw=kw: mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
             ms, mn = timeit(fn, args.iters, args.warmup)
             ms_pipe = pipelined(fn, args.iters, 1)
-            mk.check_last_error()
+            check_last_error()
             print(
                 f"MoK comm_sms={comm:3d} minibatch={mb:5d} slots={args.ring_slots} raster={raster}: {ms:8.3f} ms (min {mn:.3f}) "
                 f"{tf(ms):7.1f} TFLOP/s  {tf(ms) / PEAK * 100:5.1f}% of {PEAK:.0f}  back-to-back {ms_pipe:.3f} ms  "
@@ -128,16 +132,16 @@ def bench_shape(name, args, results):
         # (kernel.save_expert_input: the caller's layout-order buffers stand in for the ring)
         kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2], tuning=tuning(best[3]))
         hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        kept = mk.KeptRows.allocate(1, rows, H, F, best[2], "cuda")
+        kept = mk.KeptRows.allocate(rows, H, F, best[2], "cuda")
         for label, extra_kw in (
             ("saved h", dict(saved_h=hbuf)),
             ("saved h + kept x/act", dict(saved_h=hbuf, keep=kept)),
         ):
             try:
-                fn = lambda e=extra_kw: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw, **e)  # noqa: E731
+                fn = lambda e=extra_kw: mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw, **e)  # noqa: E731
                 ms, mn = timeit(fn, args.iters, args.warmup)
-                mk.check_last_error()
-                out, _, _ = mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra_kw)
+                check_last_error()
+                out, _, _ = mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra_kw)
                 err = ((out[0].float() - ref.float()).norm() / ref.float().norm()).item()
                 print(
                     f"MoK training forward ({label}, comm_sms={best[1]} minibatch={best[2]}): {ms:8.3f} ms (min {mn:.3f}) "
@@ -153,7 +157,7 @@ def bench_shape(name, args, results):
     elif args.ablate and best:
         # leave-one-stage-out timings (results are wrong on purpose; the MOK_DEBUG=ablation=BITS bits per launch)
         kw = dict(comm_sms=best[1], ring_slots=args.ring_slots, minibatch_tokens=best[2], tuning=tuning(best[3]))
-        fn = lambda: mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
+        fn = lambda: mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw)  # noqa: E731
         for bit, what in (
             (1, "no final weighted sum"),
             (2, "no fc2 epilogue stores (push combine)"),
@@ -164,7 +168,7 @@ def bench_shape(name, args, results):
             os.environ["MOK_DEBUG"] = f"ablation={bit}"
             try:
                 a_ms = pipelined(fn, args.iters, 2)
-                mk.check_last_error()
+                check_last_error()
                 print(f"ablation bits {bit:2d} ({what}): back-to-back {a_ms:.3f} ms", flush=True)
                 res.setdefault("ablation", {})[what] = a_ms
             except Exception as exc:

@@ -31,8 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 from bench_common import GpuSampler, make_inputs, pipelined, timeit  # noqa: E402
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from result_file import write_result  # noqa: E402
 
+from megatron_mok.kernel import check_last_error  # noqa: E402
 from megatron_mok.timing import cuda_call_and_device_ms  # noqa: E402
 
 SHAPES = {
@@ -102,7 +104,7 @@ def host_profile(fn, n: int = 20, top: int = 12) -> None:
 
 def tuning_of(kv: str):
     """The forward tuning of an --ab-tuning KEY=VALUE (a field of ``kernel.cargs.ForwardTuning``)."""
-    from megatron_mok.kernel.host.cargs import ForwardTuning
+    from megatron_mok.kernel.tuning import ForwardTuning
 
     key, _, val = kv.partition("=")
     if key not in ("tile_raster", "macrobatches", "fast_silu"):
@@ -127,14 +129,13 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
     the call (CUDA events around it: the host's preparation counts while the GPU waits) and the device
     time (events around the library's enqueued work: what a host that queues ahead, as in training, sees).
     """
-    import megatron_mok.kernel as mk
 
     f1, f2 = dense_fns(rows, H, F)
     variants: dict = {}
     for kind in ("bf16", "fp8"):
         kwb = chosen_settings(res, kind)
         extra = {"fp8": q8} if kind == "fp8" else {}
-        variants[kind] = lambda ev, kwb=kwb, extra=extra: mk.mok_forward_emulated(
+        variants[kind] = lambda ev, kwb=kwb, extra=extra: mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwb, **extra
         )
     # the kernels with a tuning setting (e.g. tile_raster=16), same rounds; one entry per --ab-tuning, each
@@ -146,12 +147,12 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         for kind in env_kinds:
             kwb = chosen_settings(res, kind)
             extra = {"fp8": q8} if kind == "fp8" else {}
-            variants[f"{kind}_env{i}"] = lambda ev, kwb=kwb, extra=extra, t=t: mk.mok_forward_emulated(
+            variants[f"{kind}_env{i}"] = lambda ev, kwb=kwb, extra=extra, t=t: mok_forward_emulated(
                 [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, tuning=t, **kwb, **extra
             )
     if args.ab_comm is not None:  # the bf16 kernel at another SM split (A/B)
         kwa = dict(chosen_settings(res, "bf16"), comm_sms=args.ab_comm)
-        variants["bf16_ab"] = lambda ev, kwa=kwa: mk.mok_forward_emulated(
+        variants["bf16_ab"] = lambda ev, kwa=kwa: mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kwa
         )
     graphs = {}  # kind -> (graph, its outputs), kept alive for the rounds
@@ -184,7 +185,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
             spans[key].append((t0, time.monotonic()))
             call[key].append(c)
             dev[key].append(d)
-    mk.check_last_error()
+    check_last_error()
     sampler.close()
     for kind, (g, out_g) in graphs.items():  # the replays computed the layer (eager launches ran between them)
         g.replay()
@@ -286,7 +287,6 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
 def bench(name: str, args, results: list) -> None:
     from mok_truth import exact_fp32, rel_err
 
-    import megatron_mok.kernel as mk
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
@@ -311,10 +311,10 @@ def bench(name: str, args, results: list) -> None:
 
     kws = {kind: forward_settings(name, kind, args) for kind in ("bf16", "fp8")}
     runs = {
-        "bf16": lambda ev=None: mk.mok_forward_emulated(
+        "bf16": lambda ev=None: mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, gpu_events=ev, **kws["bf16"]
         ),
-        "fp8": lambda ev=None: mk.mok_forward_emulated(
+        "fp8": lambda ev=None: mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, check=False, fp8=q8, gpu_events=ev, **kws["fp8"]
         ),
     }
@@ -322,11 +322,11 @@ def bench(name: str, args, results: list) -> None:
     exact = exact_fp32([x[:n]], [idx[:n]], [w[:n]], w1l, w2l)[0]
     for kind, fn in runs.items():
         out = fn()[0][0]
-        mk.check_last_error()
+        check_last_error()
         err = rel_err(out[:n], exact)
         ms, mn = timeit(fn, args.iters, 2)
         ms_pipe = pipelined(fn, args.iters, 1)
-        mk.check_last_error()
+        check_last_error()
         h_ms = host_ms(fn)
         _, dev_ms = cuda_call_and_device_ms(fn, args.iters, 1)
         res[kind] = {
@@ -357,10 +357,10 @@ def bench(name: str, args, results: list) -> None:
                 extra = {"fp8": q8} if kind == "fp8" else {}
 
                 def fn2(kw2=kw2, extra=extra):
-                    return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw2, **extra)
+                    return mok_forward_emulated([x], [idx], [w], w1l, w2l, check=False, **kw2, **extra)
 
                 ms, _ = timeit(fn2, args.iters, 2)
-                mk.check_last_error()
+                check_last_error()
                 print(f"  {kind} comm_sms={comm} minibatch={mb}: {ms:.3f} ms = {tf(ms):.0f} TFLOP/s", flush=True)
                 res.setdefault(f"{kind}_sweep", []).append({"comm_sms": comm, "minibatch": mb, "ms": ms})
                 if ms < res[kind]["ms"]:
@@ -385,7 +385,6 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
     from mok_truth import exact_fp32_grads, rel_err
 
     import megatron_mok.kernel as mk
-    from megatron_mok.kernel import backward as bk
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
@@ -403,17 +402,17 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
     # bf16_kept: the bf16 layer's default (the forward keeps x / act rows, kernel.save_expert_input; the
     # backward pulls only grad_out, with --kept-comm-sms); the FP8 forward keeps none
     for kind, f8 in (("bf16", None), ("bf16_kept", None), ("fp8", q8)):
-        kept = mk.KeptRows.allocate(1, rows, H, F, args.minibatch, "cuda") if kind == "bf16_kept" else None
+        kept = mk.KeptRows.allocate(rows, H, F, args.minibatch, "cuda") if kind == "bf16_kept" else None
         kwk = dict(kw, comm_sms=args.kept_comm_sms) if kept is not None else kw
         saved = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        _, comb, _ = mk.mok_forward_emulated(
+        _, comb, _ = mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, saved_h=saved, fp8=f8, keep=kept, **dict(kw, comm_sms=args.comm_sms)
         )
         comb = [comb[0].view(T, K, H)]
         for wg in ("kernel", "none"):
 
             def fn(wg=wg, f8=f8, saved=saved, comb=comb, kept=kept, kwk=kwk):
-                return bk.mok_backward_emulated(
+                return mok_backward_emulated(
                     [go],
                     [x],
                     [idx],
@@ -430,9 +429,9 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
                 )
 
             gx = fn()[0][0]
-            bk.check_last_error()
+            check_last_error()
             ms, mn = timeit(fn, args.iters, 2)
-            bk.check_last_error()
+            check_last_error()
             key = f"{kind}_bwd" if wg == "kernel" else f"{kind}_dgrad"
             fl = dgrad_flops + (wgrad_flops if wg == "kernel" else 0.0)
             out[key] = {"ms": ms, "min_ms": mn, "tflops": fl / (ms * 1e-3) / 1e12}
@@ -447,13 +446,13 @@ def bench_backward(name: str, args, res: dict, x, idx, w, w1l, w2l, n: int) -> N
         for comm in args.bwd_comm_sms[1:] if kept is None else []:  # the rest of the split sweep (dgrad + wgrad kernel)
             kw2 = dict(kw, comm_sms=comm)
             ms, _ = timeit(
-                lambda kw2=kw2, f8=f8, saved=saved, comb=comb: bk.mok_backward_emulated(
+                lambda kw2=kw2, f8=f8, saved=saved, comb=comb: mok_backward_emulated(
                     [go], [x], [idx], [w], comb, w1l, w2l, saved_h=saved, fp8=f8, check=False, **kw2
                 ),
                 args.iters,
                 2,
             )
-            bk.check_last_error()
+            check_last_error()
             print(f"  backward {kind} comm_sms={comm}: {ms:.3f} ms", flush=True)
             out.setdefault(f"{kind}_bwd_sweep", []).append({"comm_sms": comm, "ms": ms})
     res["backward"] = out
@@ -524,7 +523,7 @@ def main() -> int:
     if not mk.is_available():
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
         return 1
-    from megatron_mok.kernel.host.build import build_choices
+    from megatron_mok.kernel.build import build_choices
 
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     choices = build_choices()  # the timing-ablation build, or not

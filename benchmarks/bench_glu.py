@@ -18,6 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_common import make_inputs, pipelined  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 from megatron_mok.activation import PLAIN, Glu  # noqa: E402
@@ -43,7 +46,6 @@ def main() -> int:
     args = ap.parse_args()
 
     from megatron_mok import kernel
-    from megatron_mok.kernel import backward as bk
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     if not kernel.is_available():
@@ -58,7 +60,7 @@ def main() -> int:
     variant = Glu(offset=args.offset, clamp=args.clamp)
 
     def forward(glu, fp8):
-        return lambda: kernel.mok_forward_emulated(
+        return lambda: mok_forward_emulated(
             [x], [idx], [w], w1l, w2l, fp8=q8 if fp8 else None, saved_h=saved, glu=glu, **fwd_kw
         )
 
@@ -70,7 +72,7 @@ def main() -> int:
 
     def backward(name):
         glu = PLAIN if name == "plain" else variant
-        return lambda: bk.mok_backward_emulated(
+        return lambda: mok_backward_emulated(
             [go],
             [x],
             [idx],

@@ -3,9 +3,9 @@
 adds to the layer's device time while the GPU waits for the launch.
 
 For each slice of benchmarks/bench_fp8.py (Kimi-K2 L=8, DeepSeek-V3 L=32) and kernel (bf16, fp8) it prints
-the median microseconds of the whole call and of its parts: the Python argument checks (_validate), the
-expert-weight pointer tables (set_expert_weights, which checks FP8 weights), the library's launcher (tensor
-maps, staging upload, zeroing, the cooperative launch) and the rest (allocations, ctypes structs).
+the median microseconds of the whole call and of its parts: the ``mok::forward`` operator (dispatch, argument
+checks, tensor maps, staging upload, zeroing, the cooperative launch) and the rest (the Python wrapper, its
+allocations and the FP8 weight cache look-up).
     python benchmarks/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
 """
 
@@ -22,8 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_common import make_inputs  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
 from bench_fp8 import SHAPES  # noqa: E402
+from emulated import mok_forward_emulated  # noqa: E402
 from result_file import write_result  # noqa: E402
+
+from megatron_mok.kernel import check_last_error  # noqa: E402
 
 
 class PartTimer:
@@ -62,7 +67,6 @@ def measure(fn, timer: PartTimer, calls: int) -> dict[str, float]:
 
 
 def shape_overheads(name: str, args, timer: PartTimer) -> list[dict]:
-    import megatron_mok.kernel as mk
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = SHAPES[name]
@@ -74,11 +78,11 @@ def shape_overheads(name: str, args, timer: PartTimer) -> list[dict]:
     for kind, extra in (("bf16", {}), ("fp8", {"fp8": q8})):
 
         def fn(extra=extra):
-            return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra)
+            return mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra)
 
         for _ in range(3):
             fn()
-        mk.check_last_error()
+        check_last_error()
         got = measure(fn, timer, args.calls)
         parts = " | ".join(f"{k} {v:7.1f}" for k, v in got.items() if k != "total")
         print(f"{name:5s} L={L:3d} {kind:4s}: host {got['total']:7.1f} us per call = {parts} (us, medians)", flush=True)
@@ -96,17 +100,15 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import megatron_mok.kernel as mk
-    import megatron_mok.kernel.forward as em
 
     if not mk.is_available():
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
         return 1
     timer = PartTimer()
-    em._validate = timer.wrap("validate", em._validate)
-    em.set_expert_weights = timer.wrap("expert_weights", em.set_expert_weights)
-    lib = em.load_library()
-    lib.mok_forward_emulated_launch = timer.wrap("launcher", lib.mok_forward_emulated_launch)
-    lib.mok_workspace_bytes = timer.wrap("launcher", lib.mok_workspace_bytes)
+    # the operator call: its argument checks, tensor maps, staging upload, zeroing and the cooperative launch
+    real = torch.ops.mok.forward
+    wrapped = timer.wrap("operator", lambda *a: real(*a))
+    torch.ops.mok.forward = wrapped
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     out: list[dict] = []
     for name in args.shapes.split(","):

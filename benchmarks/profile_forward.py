@@ -21,6 +21,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_common import make_inputs  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+from emulated import mok_forward_emulated  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -30,7 +33,6 @@ def main() -> int:
     ap.add_argument("--comm-sms", type=int, default=16)
     ap.add_argument("--minibatch", type=int, default=2560)
     args = ap.parse_args()
-    import megatron_mok.kernel as mk
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     H, F, K, L, T = 7168, 2048, 8, 8, args.tokens
@@ -41,7 +43,7 @@ def main() -> int:
         extra = {"fp8": quantize_expert_weights(w1l, w2l)} if dtype == "fp8" else {}
 
         def fn(extra=extra):
-            return mk.mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra)
+            return mok_forward_emulated([x], [idx], [w], w1l, w2l, **kw, **extra)
 
         for _ in range(3):
             fn()

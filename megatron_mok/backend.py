@@ -113,7 +113,7 @@ def select_backend(
     backward_minibatch_tokens: int = 0,
     tuning=None,
 ):
-    """The backend of one layer call; ``tuning``: the config's ``kernel.host.cargs.ForwardTuning`` (None: defaults)."""
+    """The backend of one layer call; ``tuning``: the config's ``kernel.tuning.ForwardTuning`` (None: defaults)."""
     want = requested_backend()
     if dtype != "bf16":
         # only the kernel has the FP8 recipe: a reference (bf16 / fp32) run instead would silently change

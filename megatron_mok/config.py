@@ -122,8 +122,8 @@ class KernelSpec:
 
     @property
     def forward_tuning(self):
-        """The forward kernel's tuning, as its launches take it (``kernel.host.cargs.ForwardTuning``)."""
-        from .kernel.host.cargs import ForwardTuning
+        """The forward kernel's tuning, as its launches take it (``kernel.tuning.ForwardTuning``)."""
+        from .kernel.tuning import ForwardTuning
 
         return ForwardTuning(tile_raster=self.tile_raster, macrobatches=self.macrobatches, fast_silu=self.fast_silu)
 

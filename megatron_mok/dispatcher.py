@@ -23,8 +23,10 @@ from .activation import PLAIN, Glu
 from .backend import select_backend
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
+from .function import mok_moe
 from .layout import ExpertLayout, compute_layout, topk_from_routing_map
-from .reference import MokPlan, PullRows, PushRows, RingSpec, mok_moe
+from .plan import MokPlan, RingSpec
+from .reference import PullRows, PushRows
 from .transport import ProcessGroupTransport, Transport
 
 logger = logging.getLogger(__name__)

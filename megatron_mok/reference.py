@@ -23,7 +23,7 @@ to the activation dtype, the top-k sum in fp32 in k order. In fp32 everything is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import torch
@@ -38,6 +38,7 @@ from .layout import (
     positions_by_rank,
     validate_routing,
 )
+from .plan import MokPlan, RingSpec
 from .transport import Transport
 
 
@@ -45,16 +46,6 @@ class SlotState(Enum):
     FREE = 0
     FILLED = 1  # dispatch done, FFN may start
     COMPUTED = 2  # FFN done, combine may start
-
-
-@dataclass(frozen=True)
-class RingSpec:
-    minibatch_tokens: int
-    ring_slots: int
-
-    def __post_init__(self) -> None:
-        if self.minibatch_tokens <= 0 or self.ring_slots < 1:
-            raise ValueError(f"bad ring spec {self}")
 
 
 class RingBuffer:
@@ -89,30 +80,6 @@ class RingBuffer:
 
     def release(self, slot: int) -> None:
         self._move(slot, SlotState.COMPUTED, SlotState.FREE)
-
-
-@dataclass
-class MokPlan:
-    """Everything about one MoK layer call that is not a tensor."""
-
-    transport: Transport
-    num_experts: int
-    ring: RingSpec
-    save_fc1_output: bool = True
-    #: kernel backend (bf16): keep the expert input / SwiGLU rows for the backward (config
-    #: kernel.save_expert_input); the reference keeps its dispatched rows anyway
-    save_expert_input: bool = True
-    #: Megatron's gradient_accumulation_fusion: add expert wgrads straight into ``param.main_grad``
-    fuse_wgrad_into_main_grad: bool = False
-    #: the SwiGLU variant (Megatron's glu_linear_offset / activation_func_clamp_value)
-    glu: Glu = PLAIN
-    # filled by forward, for tests and introspection
-    layout: ExpertLayout | None = None
-    stats: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def num_local_experts(self) -> int:
-        return self.num_experts // self.transport.world_size
 
 
 def _validate(
@@ -204,6 +171,21 @@ def _row_weights(layout: ExpertLayout, all_w: Sequence[torch.Tensor], lo: int, h
     return out
 
 
+@dataclass
+class ReferenceState:
+    """What the reference forward leaves its backward: the layout, every rank's top-k weights, the combine rows,
+    the dispatched rows (and fc1 output when saved), the minibatch rounds every rank runs, and the sizes."""
+
+    layout: ExpertLayout
+    all_w: list[torch.Tensor]
+    combine_buf: torch.Tensor
+    saved_x: torch.Tensor
+    saved_h: torch.Tensor | None
+    rounds: int
+    shape: tuple[int, int, int]  # T, K, H
+    dtype: torch.dtype
+
+
 def mok_forward(
     plan: MokPlan,
     x: torch.Tensor,
@@ -211,7 +193,7 @@ def mok_forward(
     topk_w: torch.Tensor,
     w1: Sequence[torch.Tensor],
     w2: Sequence[torch.Tensor],
-) -> tuple[torch.Tensor, dict]:
+) -> tuple[torch.Tensor, ReferenceState]:
     """One rank's MoK forward. Returns ``out`` [T, H] and the state backward needs."""
     _validate(x, topk_idx, topk_w, w1, w2, plan)
     acc = _acc_dtype(x.dtype)
@@ -260,30 +242,20 @@ def mok_forward(
     # 5. weighted top-k sum at home
     combine_buf = combine_buf.view(T, K, H)
     out = torch.einsum("tk,tkh->th", topk_w.detach().to(acc), combine_buf.to(acc)).to(dtype) if K else x.new_zeros(T, H)
-    state = {
-        "layout": layout,
-        "all_w": all_w,
-        "combine_buf": combine_buf,
-        "saved_x": saved_x,
-        "saved_h": saved_h,
-        "rounds": rounds,
-        "shape": (T, K, H),
-        "dtype": dtype,
-    }
-    return out, state
+    return out, ReferenceState(layout, all_w, combine_buf, saved_x, saved_h, rounds, (T, K, H), dtype)
 
 
 def mok_backward(
-    plan: MokPlan, state: dict, grad_out: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]
+    plan: MokPlan, state: ReferenceState, grad_out: torch.Tensor, w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Gradients (input, top-k weights, fc1 weights, fc2 weights) for one rank."""
-    layout: ExpertLayout = state["layout"]
-    T, K, H = state["shape"]
-    dtype = state["dtype"]
+    layout: ExpertLayout = state.layout
+    T, K, H = state.shape
+    dtype = state.dtype
     acc = _acc_dtype(dtype)
     grad_out = grad_out.contiguous()
     # router-weight gradient: local, from the combine buffer that stayed at home
-    grad_w = torch.einsum("th,tkh->tk", grad_out.to(acc), state["combine_buf"].to(acc))
+    grad_w = torch.einsum("th,tkh->tk", grad_out.to(acc), state.combine_buf.to(acc))
     grad_w1 = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in w1]
     grad_w2 = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in w2]
     grad_buf = torch.zeros(T * K, H, dtype=acc, device=grad_out.device)
@@ -293,7 +265,7 @@ def mok_backward(
     # beyond fp32 rounding), so a recomputed fc1 output sees the forward's row groups: the same bits
     batches = list(minibatches(N, mb, slots, layout.expert_offsets.tolist(), FORWARD_TILE_ROWS))
     ring = RingBuffer(plan.ring, H, grad_out.dtype, grad_out.device, tile_rows=FORWARD_TILE_ROWS)
-    for i in range(state["rounds"]):
+    for i in range(state.rounds):
         if i >= len(batches):
             _pull_rows(plan, layout, grad_out, 0, 0, grad_out.new_empty(0, H))
             _push_rows(plan, layout, grad_buf.new_empty(0, H), 0, 0, K, grad_buf)
@@ -302,11 +274,11 @@ def mok_backward(
         # pull reverse-combine: output-gradient rows of the rows this rank computed
         gy_rows = ring.fill(slot, hi - lo)
         _pull_rows(plan, layout, grad_out, lo, hi, gy_rows)
-        gy = gy_rows.to(acc) * _row_weights(layout, state["all_w"], lo, hi).to(gy_rows.device).unsqueeze(1)
+        gy = gy_rows.to(acc) * _row_weights(layout, state.all_w, lo, hi).to(gy_rows.device).unsqueeze(1)
         dx = torch.empty(hi - lo, H, dtype=acc, device=grad_out.device)
         for e, a, b in layout.segments(lo, hi):
-            xe = state["saved_x"][a:b].to(acc)
-            h = state["saved_h"][a:b] if state["saved_h"] is not None else xe @ w1[e].detach().to(acc).t()
+            xe = state.saved_x[a:b].to(acc)
+            h = state.saved_h[a:b] if state.saved_h is not None else xe @ w1[e].detach().to(acc).t()
             if not plan.glu.plain:
                 # the clamp's gradient mask is decided on the fc1 output in the activation dtype, as Megatron's
                 # experts (their fc1 output is bf16) and the kernel (bf16 h, saved or rounded) decide it
@@ -329,86 +301,6 @@ def mok_backward(
         grad_w1,  # fp32: the autograd node casts, or accumulates into Megatron's fp32 main_grad
         grad_w2,
     )
-
-
-class MokMoEFunction(torch.autograd.Function):
-    """Autograd node of the fused MoK layer; backends implement forward/backward behind it."""
-
-    @staticmethod
-    def forward(ctx, x, topk_idx, topk_w, plan: MokPlan, backend, num_w1: int, *weights):  # type: ignore[override]
-        w1, w2 = list(weights[:num_w1]), list(weights[num_w1:])
-        out, state = backend.forward(plan, x, topk_idx, topk_w, w1, w2)
-        ctx.plan, ctx.backend, ctx.num_w1, ctx.state = plan, backend, num_w1, state
-        ctx.save_for_backward(*weights)
-        ctx.params = weights  # the Parameter objects: main_grad lives on them
-        ctx.topk_w_dtype = topk_w.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        weights = ctx.saved_tensors
-        w1, w2 = list(weights[: ctx.num_w1]), list(weights[ctx.num_w1 :])
-        fuse = ctx.plan.fuse_wgrad_into_main_grad
-        mains = [getattr(p, "main_grad", None) for p in ctx.params] if fuse else []
-        can = getattr(ctx.backend, "can_accumulate_main_grad", None)
-        in_kernel = fuse and can is not None and can(mains)
-        if in_kernel:  # the backend's wgrad adds straight into main_grad (no fp32 temporaries, no add pass)
-            gx, gw, gw1, gw2 = ctx.backend.backward(
-                ctx.plan, ctx.state, grad_out, w1, w2, main_grads=(mains[: ctx.num_w1], mains[ctx.num_w1 :])
-            )
-        else:
-            gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, ctx.state, grad_out, w1, w2)
-        ctx.state = None
-        wgrads = [weight_grad_for_autograd(p, g, fuse, added=in_kernel) for p, g in zip(ctx.params, [*gw1, *gw2])]
-        ctx.params = None
-        return (gx, None, gw.to(ctx.topk_w_dtype), None, None, None, *wgrads)
-
-
-class ReferenceBackend:
-    """The pure-PyTorch MoK backend (CPU or GPU, any torch.distributed backend)."""
-
-    name = "reference"
-
-    def forward(self, plan, x, topk_idx, topk_w, w1, w2):
-        return mok_forward(plan, x, topk_idx, topk_w, w1, w2)
-
-    def backward(self, plan, state, grad_out, w1, w2):
-        return mok_backward(plan, state, grad_out, w1, w2)
-
-
-def weight_grad_for_autograd(weight: torch.Tensor, grad: torch.Tensor, fuse_into_main_grad: bool, added: bool = False):
-    """What the autograd node returns for an expert weight.
-
-    With Megatron's gradient-accumulation fusion the gradient is added to ``weight.main_grad``
-    (fp32) here (``added``: the backend's wgrad already added it there) and, like Megatron's own
-    linear layers, a dummy tensor is returned when the parameter carries ``grad_added_to_main_grad``
-    (so DDP's hooks still fire on the main thread).
-    """
-    main_grad = getattr(weight, "main_grad", None) if fuse_into_main_grad else None
-    if main_grad is None:
-        return grad.to(weight.dtype)
-    if not added:
-        main_grad.add_(grad.to(main_grad.dtype))
-    if hasattr(weight, "grad_added_to_main_grad"):
-        weight.grad_added_to_main_grad = True
-        if getattr(weight, "zero_out_wgrad", False):
-            return torch.zeros(main_grad.shape, dtype=weight.dtype, device=weight.device)
-        return torch.empty(main_grad.shape, dtype=weight.dtype, device=weight.device)
-    return None
-
-
-def mok_moe(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_w: torch.Tensor,
-    w1: Sequence[torch.Tensor],
-    w2: Sequence[torch.Tensor],
-    plan: MokPlan,
-    backend=None,
-) -> torch.Tensor:
-    """The whole MoE layer (dispatch, experts, combine) for one rank, differentiable."""
-    backend = backend or ReferenceBackend()
-    return MokMoEFunction.apply(x, topk_idx, topk_w, plan, backend, len(w1), *w1, *w2)
 
 
 def dense_moe_reference(
@@ -476,3 +368,21 @@ class PushRows(torch.autograd.Function):
         g = grad.new_zeros(ctx.rows_shape)
         pull_into(ctx.tp, grad.contiguous(), ctx.src_rank, ctx.where, g)  # pull reverse-combine
         return g, None, None, None, None
+
+
+class ReferenceBackend:
+    """The pure-PyTorch MoK backend (CPU or GPU, any torch.distributed backend): the reference algorithm behind the
+    ``function.MokBackend`` interface."""
+
+    name = "reference"
+
+    def forward(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2) -> tuple[torch.Tensor, ReferenceState]:
+        return mok_forward(plan, x, topk_idx, topk_w, w1, w2)
+
+    def backward(self, plan: MokPlan, state: ReferenceState, grad_out, w1, w2, main_grads=None):
+        """main_grads: unsupported here (the autograd node adds the returned gradients into main_grad itself)."""
+        return mok_backward(plan, state, grad_out, w1, w2)
+
+    @staticmethod
+    def can_accumulate_main_grad(main_grads) -> bool:
+        return False

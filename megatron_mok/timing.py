@@ -46,7 +46,7 @@ def cuda_call_and_device_ms(fn: Callable[[tuple], object], iters: int, warmup: i
 
     Call time: CUDA events around the whole call (as ``cuda_times_ms``: the host's preparation counts
     while the GPU waits for it). Device time: the ``(start, end)`` event pair ``fn`` records around the
-    work it enqueues (e.g. ``mok_forward_emulated(..., gpu_events=events)``), which a host that queues
+    work it enqueues (e.g. ``mok_forward(..., gpu_events=events)``), which a host that queues
     ahead (a training step) hides its preparation behind."""
     for _ in range(warmup):
         fn((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))

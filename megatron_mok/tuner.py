@@ -71,6 +71,7 @@ def tune(
         from .kernel.quant import quantize_expert_weights
 
         extra["fp8"] = quantize_expert_weights([w1], [w2])
+    bufs = kernel.PeerBuffers.local(dev)
     flops = 2 * tokens * K * H * 3 * F
     rows = []
     log(
@@ -85,8 +86,8 @@ def tune(
             continue
 
         def run(c=c, mb=mb, s=s):
-            kernel.mok_forward_emulated(
-                [x], [idx], [w], [w1], [w2], comm_sms=c, ring_slots=s, minibatch_tokens=mb, check=False, **extra
+            kernel.mok_forward(
+                bufs, x, idx, w, w1, w2, comm_sms=c, ring_slots=s, minibatch_tokens=mb, check=False, **extra
             )
 
         try:

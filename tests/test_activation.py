@@ -123,28 +123,24 @@ def test_kernel_backend_hands_the_variant_to_every_launch(monkeypatch, save_fc1_
     """The kernel backend passes the plan's variant to the forward and backward launches (launches stubbed:
     what reaches them is what a GPU run computes with)."""
     from megatron_mok import kernel
-    from megatron_mok.kernel import backward as bwd
     from megatron_mok.kernel_backend import KernelBackend
-    from megatron_mok.reference import MokPlan, RingSpec
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import EmulatedTransport, _Exchange
 
     seen: dict[str, object] = {}
     T, H, F, K, L = 6, 8, 4, 2, 2
 
-    def forward(x, idx, w, w1, w2, **kw):
+    def forward(bufs, x, idx, w, w1, w2, **kw):
         seen["forward"] = kw.get("glu")
-        return [x[0].clone()], [torch.zeros(T, K, H)], [torch.zeros(L, dtype=torch.int32)]
+        return x.clone(), torch.zeros(T, K, H), torch.zeros(L, dtype=torch.int32)
 
-    def backward(grad_out, x, idx, w, comb, w1, w2, **kw):
+    def backward(bufs, grad_out, x, idx, w, comb, w1, w2, **kw):
         seen["backward"] = kw.get("glu")
-        return [grad_out[0].clone()], [torch.zeros(T, K)], [[torch.zeros(2 * F, H)] * L], [[torch.zeros(H, F)] * L]
+        return grad_out.clone(), torch.zeros(T, K), [torch.zeros(2 * F, H)] * L, [torch.zeros(H, F)] * L
 
-    monkeypatch.setattr(kernel, "mok_forward_emulated", forward)
+    monkeypatch.setattr(kernel, "mok_forward", forward)
+    monkeypatch.setattr(kernel, "mok_backward", backward)
     monkeypatch.setattr(kernel, "check_pending_errors", lambda wait=False: None)
-    monkeypatch.setattr(bwd, "is_available", lambda: True)
-    monkeypatch.setattr(bwd, "mok_backward_emulated", backward)
-    monkeypatch.setattr(KernelBackend, "_kept_rows", lambda self, *a: None)
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: torch.zeros(*a, **{**k, "device": "cpu"}))
     glu = Glu(offset=1.0, clamp=7.0)
     plan = MokPlan(EmulatedTransport(0, _Exchange(1)), L, RingSpec(64, 2), save_fc1_output=save_fc1_output, glu=glu)
     backend = KernelBackend(comm_sms=1, timeout_ms=100.0)

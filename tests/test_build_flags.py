@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_mok.kernel.host import build
+from megatron_mok.kernel import build
 
 
 def test_default_build_has_no_switches(monkeypatch):

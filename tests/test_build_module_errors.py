@@ -15,8 +15,8 @@ import pytest
 from megatron_mok.backend import MokBackendError
 from megatron_mok.config import MokConfigError
 from megatron_mok.env import MokEnvError
-from megatron_mok.kernel.host.build import BuildError
-from megatron_mok.kernel.host.errors import MokKernelError
+from megatron_mok.kernel.build import BuildError
+from megatron_mok.kernel.errors import MokKernelError
 from megatron_mok.layout import RoutingError
 from megatron_mok.topology import MokTopologyError
 

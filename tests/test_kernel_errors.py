@@ -1,4 +1,4 @@
-"""CPU: the kernels' error records as messages (megatron_mok/kernel/host/errors.py), and the Python side's tables of
+"""CPU: the kernels' error records as messages (megatron_mok/kernel/errors.py), and the Python side's tables of
 the kernels' phase and signal enums checked against csrc/mok/common.cuh, so a phase or signal added on one side
 only is caught here."""
 
@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatron_mok.kernel import backward, forward
 from megatron_mok.kernel.comm import SIGNAL_KINDS
-from megatron_mok.kernel.host.errors import PEER_SIGNAL_PHASES, format_error
+from megatron_mok.kernel.errors import BACKWARD_PHASES, FORWARD_PHASES, PEER_SIGNAL_PHASES, format_error
 
 COMMON = (Path(__file__).resolve().parents[1] / "csrc" / "mok" / "common.cuh").read_text()
 
@@ -25,12 +24,12 @@ def c_enum(name: str) -> dict[str, int]:
 def test_every_phase_has_a_name():
     phases = c_enum("Phase")
     assert len(phases) >= 13
-    named = set(forward._PHASES) | set(backward._PHASES)
+    named = set(FORWARD_PHASES) | set(BACKWARD_PHASES)
     missing = {k: v for k, v in phases.items() if v not in named}
-    assert not missing, f"phases without a name in forward._PHASES / backward._PHASES: {missing}"
-    assert phases["kPhaseWgrad"] in backward._PHASES
+    assert not missing, f"phases without a name in FORWARD_PHASES / BACKWARD_PHASES: {missing}"
+    assert phases["kPhaseWgrad"] in BACKWARD_PHASES
     for k in ("kPhaseChunkDone", "kPhasePeerSrcQuant"):  # forward only
-        assert phases[k] in forward._PHASES, k
+        assert phases[k] in FORWARD_PHASES, k
 
 
 def test_peer_signal_phases_are_the_peer_waits():
@@ -46,12 +45,12 @@ def test_signal_kinds_match_the_pad():
 
 def test_peer_timeout_names_the_missing_peer():
     # {code 1 timeout, rank 0, slot -1, phase 13, expected epoch 5, seen 4, extra = peer 3, CTA 7}
-    msg = format_error([1, 0, -1, 13, 5, 4, 3, 7], 4, 2, 250.0, kernel="MoK kernel", phases=forward._PHASES)
+    msg = format_error([1, 0, -1, 13, 5, 4, 3, 7], 4, 2, 250.0, kernel="MoK kernel", phases=FORWARD_PHASES)
     assert msg == (
         "MoK kernel timed out: rank 0 waiting for peer source-quantised signal (a peer rank has not written its "
         "tokens' e4m3 copy for the FP8 forward): rank 3 did not signal call 5 (its flag reads 4) within 250 ms "
         "(CTA 7)"
     )
-    counter = format_error([1, 1, 2, 3, 9, 8, 0, 5], 2, 2, 100.0, kernel="MoK kernel", phases=forward._PHASES)
+    counter = format_error([1, 1, 2, 3, 9, 8, 0, 5], 2, 2, 100.0, kernel="MoK kernel", phases=FORWARD_PHASES)
     assert counter.startswith("MoK kernel timed out: rank 1 slot 2 waiting for slot-free"), counter
     assert "expected counter >= 9, saw 8" in counter

@@ -72,7 +72,7 @@ def test_sm100_layout_is_a_bijection_onto_its_atoms():
 
 
 def _cutlass_include():
-    from megatron_mok.kernel.host.build import cutlass_include
+    from megatron_mok.kernel.build import cutlass_include
 
     return cutlass_include()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_mok.kernel.comm import SIGNAL_KINDS, PeerRegion
-from megatron_mok.kernel.forward import MOK_MAX_RANKS
+from megatron_mok.kernel.ops import MOK_MAX_RANKS
 
 
 def test_region_layout_is_aligned_and_disjoint():

@@ -6,14 +6,10 @@ import pytest
 import torch
 from routings import ROUTINGS, make_topk
 
-from megatron_mok.reference import (
-    MokPlan,
-    RingBuffer,
-    RingSpec,
-    dense_moe_reference,
-    mok_moe,
-    swiglu,
-)
+from megatron_mok.activation import swiglu
+from megatron_mok.function import mok_moe
+from megatron_mok.plan import MokPlan, RingSpec
+from megatron_mok.reference import RingBuffer, dense_moe_reference
 from megatron_mok.testing import spawn
 from megatron_mok.transport import ProcessGroupTransport, run_emulated
 

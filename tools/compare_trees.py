@@ -11,9 +11,10 @@ tree's median time per case, the ratio of the trees, and each tree's spread over
 
     python tools/compare_trees.py --tree before=/tmp/before --tree after=. --rounds 3 --json out.json
 
-A tree is a checkout (its ``megatron_mok`` is imported from there); the first is the baseline. The launch API
-both trees must offer: ``kernel.mok_forward_emulated``, ``kernel.backward.mok_backward_emulated`` and
-``kernel.quant.quantize_expert_weights`` (``kernel.fp8_weights`` in older checkouts).
+A tree is a checkout (its ``megatron_mok`` is imported from there); the first is the baseline. A tree launches
+through ``kernel.mok_forward`` / ``kernel.mok_backward`` (the PyTorch operators) or, in older checkouts, through
+``kernel.mok_forward_emulated`` / ``kernel.backward.mok_backward_emulated`` at one rank; the host time per call
+(the Python call alone, the GPU busy behind it) is printed beside the device times.
 """
 
 from __future__ import annotations
@@ -56,12 +57,63 @@ def checksum(t) -> str:
     return f"{t.dtype}:{tuple(t.shape)}:{s1 & (2**64 - 1):016x}{s2 & (2**64 - 1):016x}"
 
 
+def _launchers(dtype: str, dev):
+    """(forward(x, idx, w, w1, w2, saved, fp8, keep) -> (out, combine), backward(go, x, idx, w, comb, w1, w2, saved,
+    fp8, keep) -> (grad_x, grad_w, grad_w1, grad_w2), KeptRows or None) of this process's tree, EP 1. w1 / w2 are
+    one rank's lists of experts."""
+
+    from megatron_mok import kernel
+
+    bwd_kw = dict(BACKWARD[dtype], ring_slots=FORWARD["ring_slots"], check=False)
+    mb = FORWARD["minibatch_tokens"]
+    if hasattr(kernel, "mok_forward"):  # the operators: one launch path, EP 1 over a local handle
+        bufs = kernel.PeerBuffers.local(dev)
+        keep = kernel.KeptRows.allocate(T * K, H, F, mb, dev) if dtype == "bf16" else None
+
+        def forward(x, idx, w, w1, w2, saved, fp8):
+            out, comb, _ = kernel.mok_forward(bufs, x, idx, w, w1, w2, **FORWARD, saved_h=saved, fp8=fp8, keep=keep,
+                                              check=False)  # fmt: skip
+            return out, comb
+
+        def backward(go, x, idx, w, comb, w1, w2, saved, fp8):
+            return kernel.mok_backward(bufs, go, x, idx, w, comb, w1, w2, **bwd_kw, saved_h=saved, fp8=fp8, kept=keep)
+
+        return forward, backward
+    from megatron_mok.kernel import backward as bk
+
+    keep = kernel.KeptRows.allocate(1, T * K, H, F, mb, dev) if dtype == "bf16" else None
+
+    def forward(x, idx, w, w1, w2, saved, fp8):
+        o, c, _ = kernel.mok_forward_emulated([x], [idx], [w], [w1], [w2], **FORWARD, saved_h=[saved], fp8=fp8,
+                                              keep=keep, check=False)  # fmt: skip
+        return o[0], c[0].view(T, K, H)
+
+    def backward(go, x, idx, w, comb, w1, w2, saved, fp8):
+        gx, gw, g1, g2 = bk.mok_backward_emulated([go], [x], [idx], [w], [comb], [w1], [w2], **bwd_kw, saved_h=[saved],
+                                                  fp8=fp8, kept=keep)  # fmt: skip
+        return gx[0], gw[0], g1[0], g2[0]
+
+    return forward, backward
+
+
+def _host_us(fn, calls: int) -> float:
+    """Median microseconds the host spends in one call while the GPU is busy with the calls before it."""
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
     """Checksums and timings of one slice in one dtype: forward, then backward on its outputs."""
     import torch
-
-    from megatron_mok import kernel
-    from megatron_mok.kernel import backward as bk
 
     try:
         from megatron_mok.kernel.quant import quantize_expert_weights
@@ -70,32 +122,31 @@ def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
 
     x, idx, w, w1, w2, go = inputs
     dev = x.device
-    q8 = quantize_expert_weights(w1, w2, transposed=True) if dtype == "fp8" else None
-    saved = [torch.empty((T * K, 2 * F), dtype=torch.bfloat16, device=dev)]
-    keep = kernel.KeptRows.allocate(1, T * K, H, F, FORWARD["minibatch_tokens"], dev) if dtype == "bf16" else None
-    fwd_kw = dict(FORWARD, saved_h=saved, fp8=q8, keep=keep, check=False)
+    q8 = quantize_expert_weights([w1], [w2], transposed=True) if dtype == "fp8" else None
+    saved = torch.empty((T * K, 2 * F), dtype=torch.bfloat16, device=dev)
+    fwd, bwd = _launchers(dtype, dev)
 
     def forward():
-        return kernel.mok_forward_emulated([x], [idx], [w], w1, w2, **fwd_kw)
+        return fwd(x, idx, w, w1, w2, saved, q8)
 
-    o, comb, _ = forward()
-    comb = [comb[0].view(T, K, H)]
-    bwd_kw = dict(BACKWARD[dtype], ring_slots=FORWARD["ring_slots"], saved_h=saved, fp8=q8, kept=keep, check=False)
+    o, comb = forward()
 
     def backward():
-        return bk.mok_backward_emulated([go], [x], [idx], [w], comb, w1, w2, **bwd_kw)
+        return bwd(go, x, idx, w, comb, w1, w2, saved, q8)
 
     gx, gw, g1, g2 = backward()
     torch.cuda.synchronize()
-    sums = {"out": checksum(o[0]), "combine": checksum(comb[0]), "saved_h": checksum(saved[0])}
-    sums.update(grad_x=checksum(gx[0]), grad_topk_w=checksum(gw[0]))
-    sums.update(grad_w1=checksum(torch.stack(g1[0])), grad_w2=checksum(torch.stack(g2[0])))
+    sums = {"out": checksum(o), "combine": checksum(comb), "saved_h": checksum(saved)}
+    sums.update(grad_x=checksum(gx), grad_topk_w=checksum(gw))
+    sums.update(grad_w1=checksum(torch.stack(g1)), grad_w2=checksum(torch.stack(g2)))
     from megatron_mok.timing import cuda_times_ms  # the tree's own event timing (median of iters calls)
 
     return {
         "sums": sums,
         "forward_ms": cuda_times_ms(forward, iters, 2)[0],
         "backward_ms": cuda_times_ms(backward, iters, 2)[0],
+        "forward_host_us": _host_us(forward, iters),
+        "backward_host_us": _host_us(backward, iters),
     }
 
 
@@ -115,8 +166,8 @@ def run_cases(iters: int) -> dict:
         scores = torch.rand((T, L), generator=g, device=dev)
         idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()
         w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
-        w1 = [[(torch.randn((2 * F, H), generator=g, device=dev) / H**0.5).bfloat16() for _ in range(L)]]
-        w2 = [[(torch.randn((H, F), generator=g, device=dev) / F**0.5).bfloat16() for _ in range(L)]]
+        w1 = [(torch.randn((2 * F, H), generator=g, device=dev) / H**0.5).bfloat16() for _ in range(L)]
+        w2 = [(torch.randn((H, F), generator=g, device=dev) / F**0.5).bfloat16() for _ in range(L)]
         go = torch.randn((T, H), generator=g, device=dev).bfloat16()
         for dtype in ("bf16", "fp8"):
             out[f"{name} {dtype}"] = _one_case((x, idx, w, w1, w2, go), dtype, iters)
@@ -143,8 +194,13 @@ def _run_worker(label: str, tree: Path, iters: int) -> dict:
 
 
 def _prebuild(trees: dict[str, Path]) -> None:
-    """Build every tree's forward and backward libraries in parallel (cache hits afterwards)."""
-    code = "from megatron_mok.kernel import build, backward; build.build_library(); backward.build_library()"
+    """Build every tree's kernels in parallel (cache hits afterwards): the operator library, or in older checkouts
+    the forward and backward libraries."""
+    code = (
+        "from megatron_mok import kernel\n"
+        "if hasattr(kernel, 'ops'): kernel.ops.load()\n"
+        "else:\n    from megatron_mok.kernel import backward; kernel.build_library(); backward.build_library()"
+    )
     procs = {
         label: subprocess.Popen(
             [sys.executable, "-c", code], cwd=t, env=_worker_env(t), stderr=subprocess.PIPE, text=True
@@ -187,7 +243,10 @@ def main() -> int:
     base = next(iter(trees))
     ok = True
     report: dict = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "cases": {}}
-    print(f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'spread':>7s} {'bwd ms':>8s} {'spread':>7s}  vs {base}")
+    print(
+        f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'spread':>7s} {'bwd ms':>8s} {'spread':>7s} {'host us fwd / bwd':>18s}"
+        f"  vs {base}"
+    )
     for case in rounds[base][0]:
         ref = rounds[base][0][case]["sums"]
         for label in trees:
@@ -202,11 +261,15 @@ def main() -> int:
             fb = statistics.median(r[case]["forward_ms"] for r in rounds[base])
             bb = statistics.median(r[case]["backward_ms"] for r in rounds[base])
             fm, bm = statistics.median(f), statistics.median(b)
+            hf = statistics.median(r.get("forward_host_us", float("nan")) for r in runs)
+            hb = statistics.median(r.get("backward_host_us", float("nan")) for r in runs)
             print(
                 f"{case:20s} {label:8s} {fm:8.3f} {(max(f) - min(f)) / fm:6.1%} {bm:8.3f} {(max(b) - min(b)) / bm:6.1%}"
-                f"  {fm / fb:.3f} / {bm / bb:.3f}"
+                f" {hf:8.1f} / {hb:7.1f}  {fm / fb:.3f} / {bm / bb:.3f}"
             )
-            report["cases"].setdefault(case, {})[label] = {"forward_ms": f, "backward_ms": b, "sums": runs[0]["sums"]}
+            report["cases"].setdefault(case, {})[label] = {
+                "forward_ms": f, "backward_ms": b, "forward_host_us": hf, "backward_host_us": hb, "sums": runs[0]["sums"]
+            }  # fmt: skip
     print("bits: identical across trees and rounds" if ok else "bits: DIFFER")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -17,12 +17,10 @@ echo "== build"
 python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
 import time
 t = time.time()
-from megatron_mok.kernel.host import build
-p = build.build_library(verbose=False)
+from megatron_mok.kernel import build
+p = build.build_extension()
 print("built", p, f"{time.time() - t:.1f}s")
-log = p.with_suffix(".log")
-if log.exists():
-    print("\n".join(l for l in log.read_text().splitlines() if "registers" in l or "spill" in l or "ptxas" in l))
+print("\n".join(l for l in build.build_log().splitlines() if "registers" in l or "spill" in l or "ptxas" in l))
 import megatron_mok.kernel as k
 print("is_available:", k.is_available(), k.unavailable_reason())
 PY

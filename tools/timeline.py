@@ -9,7 +9,7 @@
 
 Shows when each SM ran schedule, pull dispatch (per minibatch), fc1 / fc2 tiles and the final
 weighted sum, so the overlap of dispatch, expert GEMMs and combine (and idle gaps) is visible.
-Runs emulated EP (--ep ranks on one GPU, one launch) on the config's per-GPU slice, after a warmup.
+Runs one EP-1 launch of the layer's kernels on the config's per-GPU slice, after a warmup.
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ def record(args) -> str:
     import torch
 
     from megatron_mok.config import load_config
-    from megatron_mok.kernel import mok_forward_emulated
+    from megatron_mok.kernel import KeptRows, PeerBuffers, mok_backward, mok_forward
     from megatron_mok.kernel.timeline import Timeline
 
     cfg = load_config(args.config)
     m, k = cfg.model, cfg.kernel
     L = args.local_experts or max(1, m.num_moe_experts // args.ep_of_config)
-    H, F, K, T, R = m.hidden_size, m.moe_ffn_hidden_size, m.moe_router_topk, args.tokens, args.ep
+    H, F, K, T = m.hidden_size, m.moe_ffn_hidden_size, m.moe_router_topk, args.tokens
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
-    idx = [torch.rand((T, R * L), generator=gen, device=dev).topk(K, dim=1).indices.int() for _ in range(R)]
-    w = [torch.softmax(torch.randn((T, K), generator=gen, device=dev), 1) for _ in range(R)]
-    w1 = [
-        [(torch.randn((2 * F, H), generator=gen, device=dev) * H**-0.5).bfloat16() for _ in range(L)] for _ in range(R)
-    ]
-    w2 = [[(torch.randn((H, F), generator=gen, device=dev) * F**-0.5).bfloat16() for _ in range(L)] for _ in range(R)]
+    x = torch.randn((T, H), generator=gen, device=dev).bfloat16()
+    idx = torch.rand((T, L), generator=gen, device=dev).topk(K, dim=1).indices.int()
+    w = torch.softmax(torch.randn((T, K), generator=gen, device=dev), 1)
+    w1 = [(torch.randn((2 * F, H), generator=gen, device=dev) * H**-0.5).bfloat16() for _ in range(L)]
+    w2 = [(torch.randn((H, F), generator=gen, device=dev) * F**-0.5).bfloat16() for _ in range(L)]
+    bufs = PeerBuffers.local(dev)
     comm = k.comm_sms if args.comm_sms is None else args.comm_sms
     kw = dict(comm_sms=comm, ring_slots=k.ring_slots, minibatch_tokens=k.minibatch_tokens)
     tl = Timeline(cap=args.cap)
@@ -60,36 +59,33 @@ def record(args) -> str:
             raise SystemExit("--dtype fp8 --pass backward: the FP8 dgrad reads the saved fc1 output (no --recompute)")
         from megatron_mok.kernel.quant import quantize_expert_weights
 
-        kw["fp8"] = quantize_expert_weights(w1, w2, transposed=args.pass_ == "backward")
+        kw["fp8"] = quantize_expert_weights([w1], [w2], transposed=args.pass_ == "backward")
     kept = None
     if args.pass_ == "forward":
         for _ in range(3):
-            mok_forward_emulated(x, idx, w, w1, w2, **kw)
-        _, _, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, timeline=tl)
+            mok_forward(bufs, x, idx, w, w1, w2, **kw)
+        _, _, tpe = mok_forward(bufs, x, idx, w, w1, w2, **kw, timeline=tl)
     else:
-        from megatron_mok.kernel import KeptRows
-        from megatron_mok.kernel.backward import mok_backward_emulated
-
         # the layer's backward: the config's backward comm SMs / minibatch; kept x / act rows with bf16
         # (kernel.save_expert_input, --no-kept: pull x again)
         bkw = dict(kw, comm_sms=args.comm_sms or k.bwd_comm_sms, minibatch_tokens=k.bwd_minibatch_tokens)
         kw["comm_sms"] = k.comm_sms  # the forward that lays out the kept rows: the config's split
         if args.dtype == "bf16" and k.save_expert_input and args.kept:
-            kept = KeptRows.allocate(R, T * R * K, H, F, k.minibatch_tokens, dev)
-        hbuf = [torch.empty((T * R * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
-        _, comb, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf if args.saved_h else None, keep=kept)
-        go = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
-        bkw.update(wgrad="none", saved_h=hbuf if args.saved_h else None, kept=kept)
+            kept = KeptRows.allocate(T * K, H, F, k.minibatch_tokens, dev)
+        hbuf = torch.empty((T * K, 2 * F), dtype=torch.bfloat16, device=dev) if args.saved_h else None
+        _, comb, tpe = mok_forward(bufs, x, idx, w, w1, w2, **kw, saved_h=hbuf, keep=kept)
+        go = torch.randn((T, H), generator=gen, device=dev).bfloat16()
+        bkw.update(wgrad="none", saved_h=hbuf, kept=kept)
         for _ in range(3):
-            mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw)
-        mok_backward_emulated(go, x, idx, w, comb, w1, w2, **bkw, timeline=tl)
+            mok_backward(bufs, go, x, idx, w, comb, w1, w2, **bkw)
+        mok_backward(bufs, go, x, idx, w, comb, w1, w2, **bkw, timeline=tl)
     events = tl.events()
     meta = {
         "pass": args.pass_,
         "dtype": args.dtype,
         "saved_h": bool(args.saved_h),
         "config": args.config,
-        "shape": {"H": H, "F": F, "K": K, "L": L, "tokens_per_rank": T, "ep": R},
+        "shape": {"H": H, "F": F, "K": K, "L": L, "tokens_per_rank": T, "ep": 1},
         **{k: v for k, v in (kw if args.pass_ == "forward" else bkw).items() if k not in ("fp8", "saved_h", "kept")},
         "kept_rows": args.pass_ == "backward" and kept is not None,
         "dropped_events": tl.dropped(),
@@ -98,7 +94,7 @@ def record(args) -> str:
     meta.update(summarize(events))
     path = args.out + ".json"
     save_json(events, path, meta)
-    rows = sum(int(t.sum()) for t in tpe)
+    rows = int(tpe.sum())
     print(f"{len(events)} events on {meta['ctas']} CTAs, span {meta['span_us']:.1f} us -> {path}")
     print(f"{'phase':16s} {'window (us)':>22s} {'busy SM-us':>12s} {'share of SM-time':>17s} {'events':>7s}")
     for kind in FORWARD_KINDS if args.pass_ == "forward" else BACKWARD_KINDS:
@@ -143,15 +139,15 @@ def record(args) -> str:
     # vs the device copy rate (bytes read + written), both measured on the H200 (README ceilings)
     fp8 = args.dtype == "fp8"
     gemm_ceil = args.fp8_ceiling if fp8 else args.bf16_ceiling
-    Tt = T * R
+    Tt = T
     xq = H * (1 + 4 / 128) if fp8 else 2 * H  # bytes of a ring row (e4m3 + block scales, or bf16)
     # minibatch 0 is pulled by every CTA of an owner, but only the comm CTAs record pull events: count
     # the comm CTAs' share of it only, so the pull rates are not inflated (in-SM pull, comm_sms 0: no
     # CTA records minibatch 0, and the other minibatches' events overlap the GEMM tiles of their SM)
     lkw = kw if args.pass_ == "forward" else bkw
-    cpr = meta["ctas"] // R
+    cpr = meta["ctas"]
     comm_share = lkw["comm_sms"] / cpr
-    mb0 = sum(min(lkw["minibatch_tokens"], int(t.sum())) for t in tpe)
+    mb0 = min(lkw["minibatch_tokens"], rows)
     pulled = rows - mb0 * (1 - comm_share)  # rows whose pull the recorded events cover
     if args.pass_ == "forward":
         work = {
@@ -198,7 +194,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="kimi-k2", help="bundled config name or YAML path")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
-    ap.add_argument("--ep", type=int, default=1, help="emulated EP ranks in the launch")
     ap.add_argument("--ep-of-config", type=int, default=48, help="EP size that sets local experts (E / ep)")
     ap.add_argument("--local-experts", type=int, default=0)
     ap.add_argument(

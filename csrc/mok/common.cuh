@@ -10,10 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#define MOK_MAX_RANKS 72
-#define MOK_MAX_LOCAL_EXPERTS 512
-#define MOK_MAX_EXPERTS 8192
-#define MOK_MAX_SLOTS 64
+#include "mok_limits.h"
 
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
 // -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
@@ -25,7 +22,7 @@
 #endif
 // Hang diagnosis (ablation build, MOK_DEBUG bit 256): each thread's last progress code in P.timeline, read
 // as unsigned [grid][kThreads] -- host-mapped memory the host reads while the kernel runs (timeline events
-// are off then). tools/diagnose_hang.py prints where every CTA's threads are.
+// are off then).
 #ifdef MOK_ABLATION
 #define MOK_PROGRESS(code)                                                                                 \
   do {                                                                                                     \

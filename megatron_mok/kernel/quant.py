@@ -12,13 +12,13 @@ share one quantisation.
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .. import fp8
+from . import ops
 
 _generation = 0
 _step_hook = None
@@ -26,43 +26,23 @@ _step_hook = None
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] -> (e4m3 [N, K], fp32 [N / 128, K / 128]) as ``fp8.quantize_weight_128x128`` computes it
-    (bit-identical for finite weights; a NaN poisons only its own value, not its whole block): on a CUDA
-    bf16 weight with unit inner stride, a row stride of a multiple of 8 and a 16-byte aligned start, one
-    kernel that reads w once (csrc/mok/quant/fp8_weight_quant.cuh); otherwise, or without the MoK library, the
-    PyTorch recipe."""
+    (bit-identical for finite weights; a NaN poisons only its own value, not its whole block): on a CUDA bf16 weight
+    with unit inner stride, a row stride of a multiple of 8 and a 16-byte aligned start, one kernel that reads w
+    once (``mok::fp8_quantize_weight``, csrc/mok/quant/fp8_weight_quant.cuh); otherwise, or without the MoK
+    kernels, the PyTorch recipe."""
     fast = w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
     if not (fast and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0):
         return fp8.quantize_weight_128x128(w)
-    from .host.build import BuildError
-    from .host.errors import MokKernelError
-    from .host.library import load_library
+    from .build import BuildError
 
     N, K = w.shape
     if N % fp8.BLOCK or K % fp8.BLOCK:
         raise ValueError(f"weights: shape {tuple(w.shape)} must be multiples of {fp8.BLOCK} in both dimensions")
     try:
-        lib = load_library()
+        ops.load()
     except (BuildError, OSError):
         return fp8.quantize_weight_128x128(w)
-    if not getattr(lib, "_mok_wq_bound", False):
-        lib.mok_fp8_quantize_weight.restype = ctypes.c_int
-        lib.mok_fp8_quantize_weight.argtypes = [
-            ctypes.c_ulonglong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong,
-            ctypes.c_ulonglong, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int,
-        ]  # fmt: skip
-        lib._mok_wq_bound = True
-    q = torch.empty((N, K), dtype=torch.float8_e4m3fn, device=w.device)
-    sc = torch.empty((N // fp8.BLOCK, K // fp8.BLOCK), dtype=torch.float32, device=w.device)
-    dev = w.device.index if w.device.index is not None else torch.cuda.current_device()
-    ebuf = ctypes.create_string_buffer(512)
-    stream = torch.cuda.current_stream(w.device).cuda_stream
-    with torch.cuda.device(w.device):  # the library sets w's device current; torch restores the caller's
-        rc = lib.mok_fp8_quantize_weight(
-            w.data_ptr(), w.stride(0), N, K, q.data_ptr(), sc.data_ptr(), dev, ctypes.c_void_p(stream), ebuf, 512
-        )
-    if rc != 0:
-        raise MokKernelError(f"MoK fp8 weight quantisation failed: {ebuf.value.decode(errors='replace')}")
-    return q, sc
+    return torch.ops.mok.fp8_quantize_weight(w)
 
 
 def weights_changed() -> None:
@@ -106,70 +86,6 @@ class Fp8ExpertWeights:
         return Fp8ExpertWeights(
             self.w1q, self.w1s, self.w2q, self.w2s, t(self.w1q), t(self.w1s), t(self.w2q), t(self.w2s)
         )
-
-    def validate_transposes(self, R: int, L: int, H: int, F: int, device: torch.device) -> None:
-        """The dgrad operands: present, shaped [H, 2F] / [F, H] (scales / 128), contiguous on device."""
-        if self.w1tq is None or self.w1ts is None or self.w2tq is None or self.w2ts is None:
-            raise ValueError("fp8 expert weights: the FP8 dgrad needs the transposed copies (with_transposes())")
-        self._check(
-            R,
-            L,
-            device,
-            {
-                "w1tq": ((H, 2 * F), torch.float8_e4m3fn),
-                "w1ts": ((H // fp8.BLOCK, 2 * F // fp8.BLOCK), torch.float32),
-                "w2tq": ((F, H), torch.float8_e4m3fn),
-                "w2ts": ((F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
-            },
-        )
-
-    def validate(self, R: int, L: int, H: int, F: int, device: torch.device) -> dict[str, tuple[int, ...]]:
-        """R owner ranks of L experts each, fc1 [2F, H] / fc2 [H, F]: shapes, dtypes, placement. Returns the
-        data pointers of w1q / w1s / w2q / w2s (rank-major)."""
-
-        def fail(msg: str) -> None:
-            raise ValueError(f"fp8 expert weights: {msg}")
-
-        if H % fp8.BLOCK or F % fp8.BLOCK:
-            fail(f"hidden ({H}) and ffn ({F}) sizes must be multiples of {fp8.BLOCK} for block scales")
-        return self._check(
-            R,
-            L,
-            device,
-            {
-                "w1q": ((2 * F, H), torch.float8_e4m3fn),
-                "w1s": ((2 * F // fp8.BLOCK, H // fp8.BLOCK), torch.float32),
-                "w2q": ((H, F), torch.float8_e4m3fn),
-                "w2s": ((H // fp8.BLOCK, F // fp8.BLOCK), torch.float32),
-            },
-        )
-
-    def _check(self, R: int, L: int, device: torch.device, shapes: dict) -> dict[str, tuple[int, ...]]:
-        """Each list of ``shapes`` (name -> (shape, dtype)) checked; their data pointers by name."""
-        from .host.weight_memo import dense_weight_pointers
-
-        ptrs = {
-            n: dense_weight_pointers(getattr(self, n), R, L, dt, shape, device) for n, (shape, dt) in shapes.items()
-        }
-        if all(p is not None for p in ptrs.values()):
-            return ptrs  # the common case, one cheap pass (this runs on every launch; remembered per tensors)
-
-        def fail(msg: str) -> None:
-            raise ValueError(f"fp8 expert weights: {msg}")
-
-        for name in shapes:
-            lst = getattr(self, name)
-            if len(lst) != R or any(len(v) != L for v in lst):
-                fail(f"{name} must hold {R} ranks x {L} experts")
-        for name, (shape, dtype) in shapes.items():
-            for q, per_rank in enumerate(getattr(self, name)):
-                for e, t in enumerate(per_rank):
-                    if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
-                        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                        fail(f"{name}[{q}][{e}] must be {dtype} {list(shape)}, got {got}")
-                    if t.device != device or not t.is_contiguous() or t.data_ptr() % 16:
-                        fail(f"{name}[{q}][{e}] must be a contiguous, 16-byte aligned tensor on {device}")
-        fail(f"{', '.join(shapes)} must each be a list of {R} lists of {L} tensors")
 
 
 class Fp8WeightCache:

@@ -4,7 +4,7 @@ schedule, pull reverse-combine, stage-1 / stage-2 dgrad tiles (main loop and epi
 gradient (+ act rows) as background work of the comm SMs, and the grad_x sum.
 
     tl = Timeline(cap=4096)
-    mok_forward_emulated(..., timeline=tl)      # or mok_forward_rank / mok_backward_emulated
+    mok_forward(bufs, ..., timeline=tl)        # or mok_backward
     events = tl.events()                        # after the launch finished
     render_png(events, "timeline.png")          # tools/timeline.py does both
 
@@ -73,13 +73,13 @@ class Timeline:
         self.buf: torch.Tensor | None = None  # int64 [grid, cap, 3]: {tag, t0, t1}
         self.count: torch.Tensor | None = None  # int32 [grid]
 
-    def prepare(self, grid: int, device: torch.device) -> tuple[int, int, int]:
-        """Allocate for ``grid`` CTAs; returns (events ptr, counts ptr, cap) for the launcher."""
+    def prepare(self, grid: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate for ``grid`` CTAs; returns the (events, counts) tensors a launch records into."""
         if self.buf is None or self.grid != grid or self.buf.device != device:
             self.grid = grid
             self.buf = torch.zeros((grid, self.cap, 3), dtype=torch.int64, device=device)
             self.count = torch.zeros((grid,), dtype=torch.int32, device=device)
-        return self.buf.data_ptr(), self.count.data_ptr(), self.cap
+        return self.buf, self.count
 
     def events(self) -> list[TimelineEvent]:
         """Decode (synchronises); times in microseconds from the earliest event."""

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 
 import torch
 
 from megatron_mok.activation import PLAIN, swiglu, swiglu_backward
+
+sys.path.insert(0, os.path.dirname(__file__))
+from emulated import kept_rows, mok_backward_emulated, mok_forward_emulated  # noqa: E402
 
 
 def make_experts(R, L, H, F, device, gen, strided=False):
@@ -306,8 +311,6 @@ def kept_rows_and_backward(kernel, tunings, comm_sms: int = 0) -> dict:
     ``kernel.cargs.ForwardTuning`` of ``tunings``: tuning -> the KEPT_AND_BACKWARD tensors of rank 0 (kept rows
     past the routed ones are never written: NaN, compared as 7). Bit-for-bit comparisons of a tuning that
     changes only the processing (token chunks, ticket order)."""
-    import megatron_mok.kernel.backward as bk
-    from megatron_mok.kernel import KeptRows
 
     L, H, F, K, T = 3, 512, 384, 4, 1400
     x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
@@ -315,13 +318,13 @@ def kept_rows_and_backward(kernel, tunings, comm_sms: int = 0) -> dict:
     cfg = dict(comm_sms=comm_sms, ring_slots=2, minibatch_tokens=192)
     res = {}
     for v in tunings:
-        keep = KeptRows.allocate(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
+        keep = kept_rows(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
         keep.x.fill_(float("nan"))
         keep.act.fill_(float("nan"))
         h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        out, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h, keep=keep, tuning=v, **cfg)
+        out, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h, keep=keep, tuning=v, **cfg)
         torch.cuda.synchronize()
-        grads = bk.mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
+        grads = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
         torch.cuda.synchronize()
         kx, ka = keep.x[0].nan_to_num(7.0), keep.act[0].nan_to_num(7.0)
         res[v] = (out[0], kx, ka, h[0], grads[0][0], grads[2][0][0])

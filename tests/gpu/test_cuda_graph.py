@@ -16,6 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from mok_truth import make_experts, make_routings  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +38,7 @@ def _churn(kernel, seed: int) -> None:
     """Eager launches of another shape (they refill the pooled staging slots)."""
     x, idx, wts, w1, w2 = _inputs(1, 2, 256, 128, 2, [77 + seed], seed)
     for _ in range(3):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, **KW)
+        mok_forward_emulated(x, idx, wts, w1, w2, **KW)
 
 
 @pytest.mark.parametrize("R,dtype", [(1, "bf16"), (2, "bf16"), (1, "fp8"), (2, "fp8")])
@@ -50,7 +51,7 @@ def test_forward_graph_replays_equal_eager_calls(kernel, R, dtype):
     extra = {"fp8": quantize_expert_weights(w1, w2)} if dtype == "fp8" else {}
 
     def call(check):
-        return kernel.mok_forward_emulated(x, idx, wts, w1, w2, check=check, **KW, **extra)
+        return mok_forward_emulated(x, idx, wts, w1, w2, check=check, **KW, **extra)
 
     ref_out, ref_comb, _ = call(True)  # also the warm-up: workspace and error record exist before capture
     ref_out, ref_comb = [t.clone() for t in ref_out], [t.clone() for t in ref_comb]
@@ -84,13 +85,13 @@ def test_forward_graph_keeps_its_workspace_when_eager_calls_grow_theirs(kernel):
     x, idx, wts, w1, w2 = _inputs(1, L, H, F, K, [300], seed=21)
     kw = dict(KW, minibatch_tokens=128)  # a small workspace at capture
 
-    ref_out, ref_comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    ref_out, ref_comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, **kw)
     ref_out, ref_comb = [t.clone() for t in ref_out], [t.clone() for t in ref_comb]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, check="lazy", **kw)
+        out, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, check="lazy", **kw)
     big = _inputs(1, 4, 1024, 512, 8, [2000], seed=22)  # needs a larger workspace: the cache grows
-    kernel.mok_forward_emulated(*big, **dict(KW, minibatch_tokens=1024, ring_slots=3))
+    mok_forward_emulated(*big, **dict(KW, minibatch_tokens=1024, ring_slots=3))
     torch.cuda.synchronize()
     # new allocations of every size class take the freed memory
     junk = [
@@ -111,12 +112,12 @@ def test_backward_graph_replay_equals_eager_call(kernel, bk):
     gos = [torch.randn((T, H), generator=gen, device="cuda").bfloat16() for T in Ts]
     rows = sum(Ts) * K
     hbuf = [torch.empty((rows, 2 * F), dtype=torch.bfloat16, device="cuda") for _ in range(R)]
-    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=hbuf, **KW)
+    _, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=hbuf, **KW)
     kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, saved_h=hbuf)
-    ref = bk.mok_backward_emulated(gos, x, idx, wts, comb, w1, w2, **kw)
+    ref = mok_backward_emulated(gos, x, idx, wts, comb, w1, w2, **kw)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        got = bk.mok_backward_emulated(gos, x, idx, wts, comb, w1, w2, check="lazy", **kw)
+        got = mok_backward_emulated(gos, x, idx, wts, comb, w1, w2, check="lazy", **kw)
     _churn(kernel, 1)
     g.replay()
     torch.cuda.synchronize()
@@ -129,11 +130,11 @@ def test_backward_graph_replay_equals_eager_call(kernel, bk):
 
 def test_capture_refuses_what_a_replay_cannot_do(kernel, bk):
     x, idx, wts, w1, w2 = _inputs(1, 2, 256, 128, 2, [100], seed=3)
-    kernel.mok_forward_emulated(x, idx, wts, w1, w2, **KW)  # warm-up outside the capture
+    mok_forward_emulated(x, idx, wts, w1, w2, **KW)  # warm-up outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         with pytest.raises(ValueError, match="check=True synchronises the host, which CUDA graph capture forbids"):
-            kernel.mok_forward_emulated(x, idx, wts, w1, w2, check=True, **KW)
+            mok_forward_emulated(x, idx, wts, w1, w2, check=True, **KW)
         comb = torch.zeros((100, 2, 256), dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match=r"wgrad='mm'\) cannot be captured in a CUDA graph"):
-            bk.mok_backward_emulated(x, x, idx, wts, [comb], w1, w2, wgrad="mm", check=False, **dict(KW, comm_sms=2))
+            mok_backward_emulated(x, x, idx, wts, [comb], w1, w2, wgrad="mm", check=False, **dict(KW, comm_sms=2))

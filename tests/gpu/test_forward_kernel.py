@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_forward_emulated  # noqa: E402
 from mok_truth import ground_truth, make_experts, make_routing, make_routings, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +47,7 @@ def _run_case(
     x = [torch.randn((T, H), generator=gen, device=dev).bfloat16() for T in Ts]
     idx, wts = make_routings(Ts, K, E, mode, dev, gen)
     w1, w2 = make_experts(R, L, H, F, dev, gen, strided=strided)
-    out, comb, tpe = kernel.mok_forward_emulated(
+    out, comb, tpe = mok_forward_emulated(
         x,
         idx,
         wts,
@@ -109,7 +110,7 @@ def test_single_slot_ring_odd_minibatch(kernel):
 
 @pytest.mark.parametrize("raster", [0, 1, 4, 16])
 def test_ticket_orders(kernel, raster):
-    from megatron_mok.kernel.host.cargs import ForwardTuning
+    from megatron_mok.kernel.tuning import ForwardTuning
 
     _run_case(
         kernel,
@@ -193,7 +194,7 @@ def _stall(kernel, slot=1, comm_sms=2):
     x = [torch.randn((600, H), generator=gen, device=dev).bfloat16() for _ in range(R)]
     rt = [make_routing(600, K, R * L, "uniform", dev, gen) for _ in range(R)]
     w1, w2 = make_experts(R, L, H, F, dev, gen)
-    kernel.mok_forward_emulated(
+    mok_forward_emulated(
         x,
         [a for a, _ in rt],
         [b for _, b in rt],
@@ -217,7 +218,7 @@ def test_bad_index_raises(kernel):
     idx[7, 1] = 99
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     with pytest.raises(kernel.MokKernelError, match="invalid topk index 99"):
-        kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=2, ring_slots=2, minibatch_tokens=64)
+        mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=2, ring_slots=2, minibatch_tokens=64)
 
 
 def test_input_validation(kernel):
@@ -230,19 +231,19 @@ def test_input_validation(kernel):
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match="bfloat16"):
-        kernel.mok_forward_emulated([x[0].float()], [idx], [w], w1, w2, **kw)
+        mok_forward_emulated([x[0].float()], [idx], [w], w1, w2, **kw)
     with pytest.raises(ValueError, match="int32"):
-        kernel.mok_forward_emulated(x, [idx.long()], [w], w1, w2, **kw)
+        mok_forward_emulated(x, [idx.long()], [w], w1, w2, **kw)
     with pytest.raises(ValueError, match="must both be"):
-        kernel.mok_forward_emulated(x, [idx[:, :1].contiguous()], [w], w1, w2, **kw)
+        mok_forward_emulated(x, [idx[:, :1].contiguous()], [w], w1, w2, **kw)
     with pytest.raises(ValueError, match="comm_sms"):
-        kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=10_000, ring_slots=2, minibatch_tokens=64)
+        mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=10_000, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match=r"comm_sms must be an int >= 0"):
-        kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=-1, ring_slots=2, minibatch_tokens=64)
+        mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=-1, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match="ring_slots"):
-        kernel.mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=2, ring_slots=0, minibatch_tokens=64)
+        mok_forward_emulated(x, [idx], [w], w1, w2, comm_sms=2, ring_slots=0, minibatch_tokens=64)
     with pytest.raises(ValueError, match=r"\[2F, H\]"):
-        kernel.mok_forward_emulated(x, [idx], [w], [[w1[0][0][:128], w1[0][1]]], w2, **kw)
+        mok_forward_emulated(x, [idx], [w], [[w1[0][0][:128], w1[0][1]]], w2, **kw)
 
 
 @pytest.mark.parametrize("comm", [2, 0])
@@ -256,7 +257,7 @@ def test_repeatable(kernel, comm):
     rt = [make_routing(700, K, R * L, "skewed", dev, gen) for _ in range(R)]
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     args = (x, [a for a, _ in rt], [b for _, b in rt], w1, w2)
-    o1, c1, _ = kernel.mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
-    o2, c2, _ = kernel.mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
+    o1, c1, _ = mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
+    o2, c2, _ = mok_forward_emulated(*args, comm_sms=comm, ring_slots=2, minibatch_tokens=256)
     for r in range(R):
         assert torch.equal(o1[r], o2[r]) and torch.equal(c1[r], c2[r])

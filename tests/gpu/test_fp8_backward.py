@@ -19,6 +19,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from mok_truth import (  # noqa: E402
     exact_fp32_grads,
     ground_truth_fp8_backward,
@@ -40,9 +41,9 @@ def _run(kernel, bk, R, L, H, F, K, Ts, mode, comm, slots, mb, seed, exact=True,
     rows = max(1, sum(Ts) * K)
     saved = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
-    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, glu=glu, **kw)
+    _, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, saved_h=saved, glu=glu, **kw)
     comb = [c.view(T, K, H) for c, T in zip(comb, Ts)]
-    gx, gw, g1, g2, bufs = bk.mok_backward_emulated(
+    gx, gw, g1, g2, bufs = mok_backward_emulated(
         go, x, idx, wts, comb, w1, w2, saved_h=saved, fp8=q8, timeout_ms=4000.0, return_buffers=True, glu=glu, **kw
     )
     torch.cuda.synchronize()
@@ -132,8 +133,8 @@ def test_fp8_backward_error_is_reported_vs_bf16(kernel, bk):
     res = {}
     for name, f in (("bf16", None), ("fp8", q8)):
         saved = [torch.zeros((T * K, 2 * F), dtype=torch.bfloat16, device=dev)]
-        _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=f, saved_h=saved, **kw)
-        gx, _, g1, g2 = bk.mok_backward_emulated(
+        _, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, fp8=f, saved_h=saved, **kw)
+        gx, _, g1, g2 = mok_backward_emulated(
             go, x, idx, wts, [comb[0].view(T, K, H)], w1, w2, saved_h=saved, fp8=f, **kw
         )
         res[name] = (
@@ -164,11 +165,11 @@ def test_fp8_backward_bad_inputs_are_clear_errors(kernel, bk):
     kw = dict(comm_sms=1, ring_slots=2, minibatch_tokens=64)
     q8 = quantize_expert_weights(w1, w2)  # no transposes
     with pytest.raises(ValueError, match="transposed"):
-        bk.mok_backward_emulated(x, x, [i], [w], comb, w1, w2, saved_h=saved, fp8=q8, **kw)
+        mok_backward_emulated(x, x, [i], [w], comb, w1, w2, saved_h=saved, fp8=q8, **kw)
     q8t = q8.with_transposes()
     with pytest.raises(ValueError, match="saved fc1 output"):
-        bk.mok_backward_emulated(x, x, [i], [w], comb, w1, w2, fp8=q8t, **kw)
+        mok_backward_emulated(x, x, [i], [w], comb, w1, w2, fp8=q8t, **kw)
     bad = q8.with_transposes()
     bad.w2tq[0][1] = bad.w2tq[0][1][:128].contiguous()
     with pytest.raises(ValueError, match=r"w2tq\[0\]\[1\]"):
-        bk.mok_backward_emulated(x, x, [i], [w], comb, w1, w2, saved_h=saved, fp8=bad, **kw)
+        mok_backward_emulated(x, x, [i], [w], comb, w1, w2, saved_h=saved, fp8=bad, **kw)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_forward_emulated  # noqa: E402
 from mok_truth import exact_fp32, ground_truth, ground_truth_fp8, make_experts, make_routings, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -60,7 +61,7 @@ def test_fp8_forward_matches_the_fp8_recipe(kernel, R, L, H, F, K, Ts, mode, com
     q8 = quantize_expert_weights(w1, w2)
     rows = sum(Ts) * K
     saved = [torch.full((max(rows, 1), 2 * F), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(R)]
-    out, comb, tpe = kernel.mok_forward_emulated(
+    out, comb, tpe = mok_forward_emulated(
         x, idx, wts, w1, w2, comm_sms=comm, ring_slots=slots, minibatch_tokens=mb, fp8=q8, saved_h=saved
     )
     torch.cuda.synchronize()
@@ -101,7 +102,7 @@ def test_fp8_forward_glu_variants_match_the_recipe(kernel, case, offset, clamp):
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 37 + H)
     q8 = quantize_expert_weights(w1, w2)
     saved = [torch.full((max(1, sum(Ts) * K), 2 * F), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(R)]
-    out, comb, _ = kernel.mok_forward_emulated(
+    out, comb, _ = mok_forward_emulated(
         x, idx, wts, w1, w2, comm_sms=comm, ring_slots=slots, minibatch_tokens=mb, fp8=q8, saved_h=saved, glu=glu
     )
     torch.cuda.synchronize()
@@ -124,8 +125,8 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case):
     """kernel.fast_silu (SiLU through tanh.approx in the fc1 epilogue, expert_ffn.cuh: silu_tanh_f) moves
     a few e4m3 roundings of the SwiGLU output: the layer stays within the recipe's tolerances, and the
     errors of both settings are printed (the knob is off until its error and its time are measured)."""
-    from megatron_mok.kernel.host.cargs import ForwardTuning
     from megatron_mok.kernel.quant import quantize_expert_weights
+    from megatron_mok.kernel.tuning import ForwardTuning
 
     R, L, H, F, K, Ts, mode, comm, slots, mb = case
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 31 + H)
@@ -135,7 +136,7 @@ def test_fp8_fast_silu_stays_within_the_recipe(kernel, case):
     exact = exact_fp32(x, idx, wts, w1, w2)
     outs = {}
     for fast in (False, True):
-        outs[fast], _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(fast_silu=fast), **kw)
+        outs[fast], _, _ = mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(fast_silu=fast), **kw)
         for r in range(R):
             e_o, e_x = rel_err(outs[fast][r], r_out[r]), rel_err(outs[fast][r], exact[r])
             print(f"fast_silu={fast} rank {r}: vs fp8 recipe {e_o:.3e}, vs fp32 {e_x:.3e}")
@@ -154,14 +155,14 @@ def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
     x, idx, wts, w1, w2 = _inputs(2, 2, 256, 256, 2, [300, 200], "uniform", seed=9)
     q8 = quantize_expert_weights(w1, w2)
     kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128, fp8=q8)
-    o0, c0, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    o0, c0, _ = mok_forward_emulated(x, idx, wts, w1, w2, **kw)
     z1 = [[torch.zeros((t.shape[1], t.shape[0]), dtype=t.dtype, device=t.device).t() for t in r] for r in w1]
     z2 = [[torch.zeros_like(t) for t in r] for r in w2]
-    o1, c1, _ = kernel.mok_forward_emulated(x, idx, wts, z1, z2, **kw)
+    o1, c1, _ = mok_forward_emulated(x, idx, wts, z1, z2, **kw)
     for r in range(2):
         assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r])
     with pytest.raises(ValueError, match=r"w1\[1\] and w2\[1\] must each hold 2 expert weights"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, [w2[0], w2[1][:1]], **kw)
+        mok_forward_emulated(x, idx, wts, w1, [w2[0], w2[1][:1]], **kw)
 
 
 def test_fp8_forward_error_is_reported_vs_bf16(kernel):
@@ -171,8 +172,8 @@ def test_fp8_forward_error_is_reported_vs_bf16(kernel):
     R, L, H, F, K = 2, 4, 1024, 512, 4
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, [1024, 1024], "uniform", seed=5)
     kw = dict(comm_sms=4, ring_slots=3, minibatch_tokens=512)
-    o16, _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **kw)
-    o8, _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=quantize_expert_weights(w1, w2), **kw)
+    o16, _, _ = mok_forward_emulated(x, idx, wts, w1, w2, **kw)
+    o8, _, _ = mok_forward_emulated(x, idx, wts, w1, w2, fp8=quantize_expert_weights(w1, w2), **kw)
     exact = exact_fp32(x, idx, wts, w1, w2)
     for r in range(R):
         e16, e8 = rel_err(o16[r], exact[r]), rel_err(o8[r], exact[r])
@@ -203,12 +204,12 @@ def test_fp8_bad_inputs_are_clear_errors(kernel):
     bad = quantize_expert_weights(w1, w2)
     bad.w1s[0][1] = bad.w1s[0][1][:1].contiguous()
     with pytest.raises(ValueError, match=r"w1s\[0\]\[1\]"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=bad, **kw)
+        mok_forward_emulated(x, idx, wts, w1, w2, fp8=bad, **kw)
     with pytest.raises(ValueError, match="Fp8ExpertWeights"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=(q8.w1q, q8.w1s), **kw)
+        mok_forward_emulated(x, idx, wts, w1, w2, fp8=(q8.w1q, q8.w1s), **kw)
     x2, idx2, wts2, w12, w22 = _inputs(1, 2, 192, 256, 2, [64], "uniform", seed=1)  # H = 192: not whole blocks
     with pytest.raises(ValueError, match="multiples of 128"):
-        kernel.mok_forward_emulated(x2, idx2, wts2, w12, w22, fp8=q8, **kw)
+        mok_forward_emulated(x2, idx2, wts2, w12, w22, fp8=q8, **kw)
 
 
 @pytest.mark.parametrize("N,K,strided", [(256, 384, False), (128, 128, False), (4096, 7168, False), (512, 256, True)])

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import kept_rows, mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from mok_truth import make_backward_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +28,6 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1"])
 @pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
 def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
-    from megatron_mok.kernel import KeptRows
 
     L, H, F, K = 3, 512, 384, 4
     Ts = [333 + 41 * r for r in range(R)]
@@ -41,11 +41,11 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
         return [torch.full((rows, 2 * F), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(R)]
 
     h_a, h_b = (hbufs(), hbufs()) if saved else (None, None)
-    out_a, comb_a, tpe_a = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_a, **cfg)
-    keep = KeptRows.allocate(R, rows, H, F, cfg["minibatch_tokens"], dev)
+    out_a, comb_a, tpe_a = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_a, **cfg)
+    keep = kept_rows(R, rows, H, F, cfg["minibatch_tokens"], dev)
     keep.x.fill_(float("nan"))
     keep.act.fill_(float("nan"))
-    out_b, comb_b, tpe_b = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_b, keep=keep, **cfg)
+    out_b, comb_b, tpe_b = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_b, keep=keep, **cfg)
     torch.cuda.synchronize()
     for r in range(R):  # the forward does not change by a bit
         assert torch.equal(out_a[r], out_b[r]) and torch.equal(comb_a[r], comb_b[r]), f"rank {r} forward differs"
@@ -53,10 +53,8 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
         if saved:
             assert torch.equal(h_a[r].nan_to_num(7.0), h_b[r].nan_to_num(7.0)), f"owner {r} saved h differs"
 
-    ref = bk.mok_backward_emulated(go, x, idx, wts, comb_a, w1, w2, saved_h=h_a, return_buffers=True, **bwd_cfg)
-    got = bk.mok_backward_emulated(
-        go, x, idx, wts, comb_b, w1, w2, saved_h=h_b, kept=keep, return_buffers=True, **bwd_cfg
-    )
+    ref = mok_backward_emulated(go, x, idx, wts, comb_a, w1, w2, saved_h=h_a, return_buffers=True, **bwd_cfg)
+    got = mok_backward_emulated(go, x, idx, wts, comb_b, w1, w2, saved_h=h_b, kept=keep, return_buffers=True, **bwd_cfg)
     torch.cuda.synchronize()
     bufs_a = ref[4]
     for q in range(R):
@@ -82,7 +80,7 @@ def test_kept_rows_give_the_pulled_paths_bits(kernel, bk, R, saved, mode, comm):
 
 
 def test_kept_rows_bad_inputs_are_clear_errors(kernel, bk):
-    from megatron_mok.kernel import KeptRows
+    from megatron_mok.kernel import MokKernelError
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     R, L, H, F, K = 2, 2, 256, 128, 2
@@ -91,21 +89,21 @@ def test_kept_rows_bad_inputs_are_clear_errors(kernel, bk):
     x, idx, wts, w1, w2, go = make_backward_case(R, L, H, F, K, Ts, "uniform", seed=5)
     dev = x[0].device
     rows = sum(Ts) * K
-    with pytest.raises(ValueError, match="need 380"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, keep=KeptRows.allocate(R, 128, H, F, 128, dev), **cfg)
+    with pytest.raises(MokKernelError, match="owner-side row buffers hold 128"):
+        mok_forward_emulated(x, idx, wts, w1, w2, keep=kept_rows(R, 128, H, F, 128, dev), **cfg)
     with pytest.raises(ValueError, match="allocated for minibatch 64"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, keep=KeptRows.allocate(R, rows, H, F, 64, dev), **cfg)
-    with pytest.raises(ValueError, match=r"kept x must be \[2, 384, 256\]"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, keep=KeptRows.allocate(1, rows, H, F, 128, dev), **cfg)
-    with pytest.raises(ValueError, match="fp8 kernel keeps none"):
+        mok_forward_emulated(x, idx, wts, w1, w2, keep=kept_rows(R, rows, H, F, 64, dev), **cfg)
+    with pytest.raises(ValueError, match=r"keep_x must be BFloat16 \[384, 256\]"):
+        mok_forward_emulated(x, idx, wts, w1, w2, keep=kept_rows(R, rows, H + 64, F, 128, dev), **cfg)
+    with pytest.raises(ValueError, match="FP8 kernel keeps none"):
         q8 = quantize_expert_weights(w1, w2)
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, keep=KeptRows.allocate(R, rows, H, F, 128, dev), **cfg)
-    keep = KeptRows.allocate(R, rows, H, F, 128, dev)
-    _, comb, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, keep=keep, **cfg)
-    with pytest.raises(ValueError, match="kept rows hold 384 rows per owner, the backward needs 760"):
+        mok_forward_emulated(x, idx, wts, w1, w2, fp8=q8, keep=kept_rows(R, rows, H, F, 128, dev), **cfg)
+    keep = kept_rows(R, rows, H, F, 128, dev)
+    _, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, keep=keep, **cfg)
+    with pytest.raises(ValueError, match=r"kept rows are \(384, 256\) / \(384, 128\), the backward needs \[>= 760"):
         xx = [torch.cat([t, t]) for t in x]
         ii = [torch.cat([t, t]) for t in idx]
         ww = [torch.cat([t, t]) for t in wts]
         cc = [torch.cat([t, t]) for t in comb]
         gg = [torch.cat([t, t]) for t in go]
-        bk.mok_backward_emulated(gg, xx, ii, ww, cc, w1, w2, kept=keep, **cfg)
+        mok_backward_emulated(gg, xx, ii, ww, cc, w1, w2, kept=keep, **cfg)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_forward_emulated  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -23,10 +27,11 @@ def _kernel_or_skip():
 @pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("kind", ["random", "skewed", "empty_experts", "all_to_one"])
 def test_kernel_equals_reference_emulated_ep(R, kind):
-    kernel = _kernel_or_skip()
+    _kernel_or_skip()
     from routings import make_topk
 
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.function import mok_moe
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import run_emulated
 
     g = torch.Generator().manual_seed(R * 31 + len(kind))
@@ -42,7 +47,7 @@ def test_kernel_equals_reference_emulated_ep(R, kind):
     w1 = [(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(E)]
     w2 = [(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(E)]
     ring = RingSpec(minibatch_tokens=128, ring_slots=2)  # smaller than every rank's batch
-    out, comb, tpe = kernel.mok_forward_emulated(
+    out, comb, tpe = mok_forward_emulated(
         xs,
         [i.int() for i in idx],
         ws,
@@ -90,7 +95,8 @@ def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
     _kernel_or_skip()
 
     from megatron_mok.backend import kernel_backend
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.function import mok_moe
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import run_emulated
 
     L, x, idx, w, w1, w2, go = _skewed_layer_problem(5)
@@ -219,10 +225,10 @@ def test_lazy_error_check_reports_a_stall_without_host_sync():
     w1 = [[(torch.randn(2 * F, H, generator=g) / H**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
     w2 = [[(torch.randn(H, F, generator=g) / F**0.5).to(dev, torch.bfloat16) for _ in range(L)] for _ in range(R)]
     kw = dict(comm_sms=2, ring_slots=16, minibatch_tokens=128)
-    kernel.mok_forward_emulated(xs, idx, ws, w1, w2, **kw, timeout_ms=300.0, debug_stall=(1, 1), check="lazy")
+    mok_forward_emulated(xs, idx, ws, w1, w2, **kw, timeout_ms=300.0, debug_stall=(1, 1), check="lazy")
     with pytest.raises(kernel.MokKernelError, match=r"timed out: rank 1"):
         kernel.check_pending_errors(wait=True)
-    out, _, _ = kernel.mok_forward_emulated(xs, idx, ws, w1, w2, **kw, check="lazy")
+    out, _, _ = mok_forward_emulated(xs, idx, ws, w1, w2, **kw, check="lazy")
     kernel.check_pending_errors(wait=True)  # a clean launch leaves nothing pending
     assert torch.isfinite(out[0].float()).all()
 
@@ -236,7 +242,8 @@ def test_fp8_kernel_backend_trains_like_bf16(save_fc1_output):
     _kernel_or_skip()
 
     from megatron_mok.backend import select_backend
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.function import mok_moe
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import run_emulated
 
     L, x, idx, w, w1, w2, go = _skewed_layer_problem(9)
@@ -283,8 +290,9 @@ def test_backward_minibatch_does_not_change_gradients(save_fc1_output):
     the forward-minibatch backward's."""
     _kernel_or_skip()
 
+    from megatron_mok.function import mok_moe
     from megatron_mok.kernel_backend import KernelBackend
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import run_emulated
 
     L, x, idx, w, w1, w2, go = _skewed_layer_problem(13)
@@ -317,9 +325,11 @@ def test_layer_calls_hit_the_weight_check_memo(monkeypatch):
     every expert again (a fresh .detach() per call made every call a miss)."""
     _kernel_or_skip()
 
-    from megatron_mok.backend import kernel_backend
     from megatron_mok.kernel.host import weight_memo
-    from megatron_mok.reference import MokPlan, RingSpec, mok_moe
+
+    from megatron_mok.backend import kernel_backend
+    from megatron_mok.function import mok_moe
+    from megatron_mok.plan import MokPlan, RingSpec
     from megatron_mok.transport import run_emulated
 
     L, x, idx, w, w1, w2, go = _skewed_layer_problem(21)

@@ -18,11 +18,26 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import kept_rows, mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from mok_truth import ground_truth, make_experts, make_routing, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
+
+
+def _check_forward(bufs, stream, L, timeout_ms):
+    """Wait for the rank's last forward launch; MokKernelError if it recorded an error."""
+    from megatron_mok.kernel import errors
+
+    errors.after_launch(bufs.err, stream, True, errors.forward_message(bufs.world, L, timeout_ms))
+
+
+def _check_backward(bufs, stream, L, timeout_ms):
+    """Wait for the rank's last backward launch; MokKernelError if it recorded an error."""
+    from megatron_mok.kernel import errors
+
+    errors.after_launch(bufs.bwd_err, stream, True, errors.backward_message(bufs.world, L, timeout_ms))
 
 
 def _inputs(R, L, H, F, K, T, mode, seed):
@@ -36,14 +51,14 @@ def _inputs(R, L, H, F, K, T, mode, seed):
 
 
 def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp8=None, keep=None, **kw):
-    from megatron_mok.kernel.comm import mok_forward_rank
+    from megatron_mok.kernel import mok_forward
 
     R = len(bufs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {}
     for r in ranks if ranks is not None else range(R):
         streams[r].wait_stream(torch.cuda.current_stream())
-        res[r] = mok_forward_rank(
+        res[r] = mok_forward(
             bufs[r],
             x[r],
             idx[r],
@@ -65,7 +80,7 @@ def _launch_all(bufs, x, idx, wts, w1, w2, streams, ranks=None, saved_h=None, fp
 @pytest.mark.parametrize("mode", ["uniform", "skewed", "minus1", "one"])
 @pytest.mark.parametrize("comm", [2, 0], ids=["comm2", "insm"])
 def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import PeerBuffers
 
     L, H, F, K, T = 4, 512, 256, 4, 700
     cfg = dict(comm_sms=comm, ring_slots=2, minibatch_tokens=256)  # ring smaller than the batch
@@ -75,9 +90,9 @@ def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
         x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, T, mode, seed=100 * R + call)
         res = _launch_all(bufs, x, idx, wts, w1, w2, streams, timeout_ms=5000.0, **cfg)
         for r in range(R):
-            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+            _check_forward(bufs[r], streams[r], L, 5000.0)
         torch.cuda.synchronize()
-        emu_out, emu_comb, emu_tpe = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **cfg, timeout_ms=5000.0)
+        emu_out, emu_comb, emu_tpe = mok_forward_emulated(x, idx, wts, w1, w2, **cfg, timeout_ms=5000.0)
         ref_out, ref_comb, ref_tpe = ground_truth(x, idx, wts, w1, w2)
         for r in range(R):
             out, comb, tpe = res[r]
@@ -93,7 +108,7 @@ def test_rank_launches_match_emulated_and_truth(kernel, R, mode, comm):
 def test_fp8_rank_launches_match_emulated(kernel, R):
     """The FP8 kernel per rank (each rank passes its own experts' e4m3 weights): the emulated FP8
     launch's bits, twice in a row."""
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import PeerBuffers
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     L, H, F, K, T = 4, 512, 256, 4, 700
@@ -106,9 +121,9 @@ def test_fp8_rank_launches_match_emulated(kernel, R):
         per_rank = [quantize_expert_weights([w1[r]], [w2[r]]) for r in range(R)]  # each rank's own experts
         res = _launch_all(bufs, x, idx, wts, w1, w2, streams, timeout_ms=5000.0, fp8=per_rank, **cfg)
         for r in range(R):
-            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+            _check_forward(bufs[r], streams[r], L, 5000.0)
         torch.cuda.synchronize()
-        emu_out, emu_comb, emu_tpe = kernel.mok_forward_emulated(x, idx, wts, w1, w2, **cfg, fp8=q8)
+        emu_out, emu_comb, emu_tpe = mok_forward_emulated(x, idx, wts, w1, w2, **cfg, fp8=q8)
         for r in range(R):
             out, comb, tpe = res[r]
             assert torch.equal(tpe, emu_tpe[r])
@@ -117,8 +132,7 @@ def test_fp8_rank_launches_match_emulated(kernel, R):
 
 
 def test_missing_rank_times_out_naming_it(kernel):
-    from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import MokKernelError, PeerBuffers
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -128,12 +142,11 @@ def test_missing_rank_times_out_naming_it(kernel):
         bufs, x, idx, wts, w1, w2, streams, ranks=[0], comm_sms=1, ring_slots=2, minibatch_tokens=128, timeout_ms=300.0
     )
     with pytest.raises(MokKernelError, match=r"rank 0 waiting for peer start signal.*rank 1 did not signal call 1"):
-        check_rank_error(bufs[0], streams[0], L=L, timeout_ms=300.0)
+        _check_forward(bufs[0], streams[0], L, 300.0)
 
 
 def test_token_count_mismatch_is_an_error(kernel):
-    from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import MokKernelError, PeerBuffers
 
     R, L, H, F, K = 2, 2, 256, 128, 2
     bufs = PeerBuffers.on_one_gpu(R, 256, H, K)
@@ -145,14 +158,14 @@ def test_token_count_mismatch_is_an_error(kernel):
     errors = []
     for r in range(R):
         try:
-            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=500.0)
+            _check_forward(bufs[r], streams[r], L, 500.0)
         except MokKernelError as exc:
             errors.append(str(exc))
     assert errors and all("same number of tokens" in e for e in errors), errors
 
 
 def test_bad_inputs_are_clear_errors(kernel):
-    from megatron_mok.kernel.comm import PeerBuffers, mok_forward_rank
+    from megatron_mok.kernel import PeerBuffers, mok_forward
 
     bufs = PeerBuffers.on_one_gpu(2, 64, 256, 2)
     dev = torch.device("cuda")
@@ -162,9 +175,9 @@ def test_bad_inputs_are_clear_errors(kernel):
     idx = torch.zeros((65, 2), dtype=torch.int32, device=dev)
     w = torch.ones((65, 2), dtype=torch.float32, device=dev)
     with pytest.raises(ValueError, match="exceed the peer buffers' capacity"):
-        mok_forward_rank(bufs[0], x, idx, w, w1, w2, comm_sms=1, ring_slots=2, minibatch_tokens=64)
+        mok_forward(bufs[0], x, idx, w, w1, w2, comm_sms=1, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match="hidden size"):
-        mok_forward_rank(
+        mok_forward(
             bufs[0], x[:8, :128].contiguous(), idx[:8], w[:8], w1, w2, comm_sms=1, ring_slots=2, minibatch_tokens=64
         )
 
@@ -173,14 +186,15 @@ def _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, ranks=None, save
     """Launch every rank's backward first (each waits for its peers inside the kernel), then the weight
     gradients (the emulated backward's default mode, so results compare bit for bit; the "mm" mode reads
     row counts on the host, which would block the next rank's launch)."""
-    from megatron_mok.kernel.backward import mok_backward_rank, weight_grads
+    from megatron_mok.kernel import mok_backward
+    from megatron_mok.kernel.backward import weight_grads
 
     R = len(bufs)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {}
     for r in ranks if ranks is not None else range(R):
         streams[r].wait_stream(torch.cuda.current_stream())
-        res[r] = mok_backward_rank(
+        res[r] = mok_backward(
             bufs[r],
             go[r],
             x[r],
@@ -225,8 +239,7 @@ def _assert_same_backward(res, ref, R, L):
 def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
     """Per-rank backward launches (separate streams, peers met on signal pads, forward and backward
     calls alternating on the same buffers and epochs) give the emulated backward's bits."""
-    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
-    from megatron_mok.kernel.comm import PeerBuffers
+    from megatron_mok.kernel import PeerBuffers
 
     L, H, F, K, T = 4, 512, 256, 4, 600
     cfg = dict(comm_sms=2, ring_slots=2, minibatch_tokens=256, timeout_ms=5000.0)
@@ -247,19 +260,17 @@ def test_backward_rank_launches_match_emulated(kernel, R, mode, saved):
         torch.cuda.synchronize()
         comb = [fwd[r][1].clone() for r in range(R)]
         if saved:  # the emulated forward's h, for the emulated backward below
-            kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
+            mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
         res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=h_rank, **cfg)
         for r in range(R):
-            check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+            _check_backward(bufs[r], streams[r], L, 5000.0)
         torch.cuda.synchronize()
         ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, **cfg)
         _assert_same_backward(res, ref, R, L)
 
 
 def test_backward_missing_rank_times_out_naming_it(kernel):
-    from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.backward import check_rank_backward_error
-    from megatron_mok.kernel.comm import PeerBuffers
+    from megatron_mok.kernel import MokKernelError, PeerBuffers
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -269,12 +280,11 @@ def test_backward_missing_rank_times_out_naming_it(kernel):
     cfg = dict(comm_sms=1, ring_slots=2, minibatch_tokens=128, timeout_ms=300.0)
     _backward_all(bufs, x, x, idx, wts, comb, w1, w2, streams, ranks=[0], wgrad="none", **cfg)
     with pytest.raises(MokKernelError, match=r"rank 0 waiting for peer start signal.*rank 1 did not signal call 1"):
-        check_rank_backward_error(bufs[0], streams[0], L=L, timeout_ms=300.0)
+        _check_backward(bufs[0], streams[0], L, 300.0)
 
 
 def test_backward_rank_bad_inputs_are_clear_errors(kernel):
-    from megatron_mok.kernel.backward import mok_backward_rank
-    from megatron_mok.kernel.comm import PeerBuffers
+    from megatron_mok.kernel import PeerBuffers, mok_backward
 
     bufs = PeerBuffers.on_one_gpu(2, 64, 256, 2)
     dev = torch.device("cuda")
@@ -287,9 +297,9 @@ def test_backward_rank_bad_inputs_are_clear_errors(kernel):
     comb = torch.zeros((T, 2, 256), dtype=torch.bfloat16, device=dev)
     kw = dict(comm_sms=1, ring_slots=2, minibatch_tokens=64)
     with pytest.raises(ValueError, match="mok_backward_rank: grad_out must have shape"):
-        mok_backward_rank(bufs[0], x[:8], x, idx, w, comb, w1, w2, **kw)
+        mok_backward(bufs[0], x[:8], x, idx, w, comb, w1, w2, **kw)
     with pytest.raises(ValueError, match="saved_h must be"):
-        mok_backward_rank(
+        mok_backward(
             bufs[0],
             x,
             x,
@@ -303,15 +313,13 @@ def test_backward_rank_bad_inputs_are_clear_errors(kernel):
         )
     x2 = torch.zeros((65, 256), dtype=torch.bfloat16, device=dev)
     with pytest.raises(ValueError, match="exceed the peer buffers' capacity"):
-        mok_backward_rank(bufs[0], x2, x2, idx, w, comb, w1, w2, **kw)
+        mok_backward(bufs[0], x2, x2, idx, w, comb, w1, w2, **kw)
 
 
 def test_owner_capacity_overflow_is_reported_by_every_rank(kernel):
     """Owner-side row buffers smaller than the routing needs (kernel.owner_capacity_factor): every rank's
     forward and backward report the overflowing owner and both counts; nothing waits or writes past."""
-    from megatron_mok.kernel import MokKernelError
-    from megatron_mok.kernel.backward import check_rank_backward_error
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import MokKernelError, PeerBuffers
 
     R, L, H, F, K, T = 2, 2, 256, 128, 2, 128
     bufs = PeerBuffers.on_one_gpu(R, T, H, K)
@@ -327,20 +335,19 @@ def test_owner_capacity_overflow_is_reported_by_every_rank(kernel):
     want = rf"sends {R * T * K} rows to rank 1, but its owner-side row buffers hold {cap}"
     for r in range(R):
         with pytest.raises(MokKernelError, match=want):
-            check_rank_error(bufs[r], streams[r], L=L, timeout_ms=2000.0)
+            _check_forward(bufs[r], streams[r], L, 2000.0)
     torch.cuda.synchronize()
     assert all(bool((h[cap:] == 7.0).all()) for h in hs), "wrote past the owner capacity"
     comb = [torch.zeros((T, K, H), dtype=torch.bfloat16, device=dev) for _ in range(R)]
     _backward_all(bufs, x, x, idx, wts, comb, w1, w2, streams, wgrad="none", owner_rows=cap, **cfg)
     for r in range(R):
         with pytest.raises(MokKernelError, match=want):
-            check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=2000.0)
+            _check_backward(bufs[r], streams[r], L, 2000.0)
 
 
 def test_owner_capacity_factor_that_fits_gives_the_same_bits(kernel):
     """Row buffers of 1.5 x the fair share instead of the worst case: same results as the emulated run."""
-    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import PeerBuffers
 
     R, L, H, F, K, T = 4, 2, 256, 128, 4, 512
     cap = int(1.5 * T * K)
@@ -353,16 +360,16 @@ def test_owner_capacity_factor_that_fits_gives_the_same_bits(kernel):
     hs = [torch.empty((cap, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
     fwd = _launch_all(bufs, x, idx, wts, w1, w2, streams, saved_h=hs, **cfg)
     for r in range(R):
-        check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        _check_forward(bufs[r], streams[r], L, 5000.0)
     torch.cuda.synchronize()
     comb = [fwd[r][1].clone() for r in range(R)]
     h_emu = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)]
-    emu_out, _, _ = kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
+    emu_out, _, _ = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, **cfg)
     for r in range(R):
         assert torch.equal(fwd[r][0], emu_out[r]), f"rank {r} forward differs with a capacity factor"
     res = _backward_all(bufs, go, x, idx, wts, comb, w1, w2, streams, saved_h=hs, owner_rows=cap, **cfg)
     for r in range(R):
-        check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        _check_backward(bufs[r], streams[r], L, 5000.0)
     torch.cuda.synchronize()
     ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, **cfg)
     for r in range(R):
@@ -374,15 +381,14 @@ def test_owner_capacity_factor_that_fits_gives_the_same_bits(kernel):
 
 
 def mok_forward_emulated_all(x, idx, wts, w1, w2):
-    import megatron_mok.kernel as k
 
-    return k.mok_forward_emulated(x, idx, wts, w1, w2, comm_sms=4, ring_slots=2, minibatch_tokens=256)
+    return mok_forward_emulated(x, idx, wts, w1, w2, comm_sms=4, ring_slots=2, minibatch_tokens=256)
 
 
 def _symm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatron_mok.kernel.comm import PeerBuffers, mok_forward_rank
+    from megatron_mok.kernel import PeerBuffers, mok_backward, mok_forward
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -392,20 +398,18 @@ def _symm_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         x, idx, wts, w1, w2 = _inputs(world, L, H, F, K, T, "uniform", seed=11)
         bufs = PeerBuffers.symmetric(dist.group.WORLD, T, H, K)
         for _ in range(3):
-            out, comb, tpe = mok_forward_rank(
+            out, comb, tpe = mok_forward(
                 bufs, x[rank], idx[rank], wts[rank], w1[rank], w2[rank], comm_sms=4, ring_slots=2, minibatch_tokens=256
             )
         ref_out, ref_comb, ref_tpe = ground_truth(x, idx, wts, w1, w2)
         err = max(rel_err(out, ref_out[rank]), rel_err(comb, ref_comb[rank]))
         ok = bool(torch.equal(tpe, ref_tpe[rank])) and err < TOL
-        # backward per rank vs the emulated backward kernel on this GPU (identical bits expected)
-        from megatron_mok.kernel.backward import mok_backward_emulated, mok_backward_rank
-
+        # backward per rank vs the R ranks on this GPU (identical bits expected)
         gen = torch.Generator(device="cuda").manual_seed(5)
         go = [torch.randn((T, H), generator=gen, device="cuda").bfloat16() for _ in range(world)]
         _, emu_comb, _ = mok_forward_emulated_all(x, idx, wts, w1, w2)
         kw = dict(comm_sms=4, ring_slots=2, minibatch_tokens=256)
-        gx, gw, g1, g2 = mok_backward_rank(
+        gx, gw, g1, g2 = mok_backward(
             bufs, go[rank], x[rank], idx[rank], wts[rank], emu_comb[rank].clone(), w1[rank], w2[rank], **kw
         )
         ref = mok_backward_emulated(go, x, idx, wts, [c.clone() for c in emu_comb], w1, w2, **kw)
@@ -442,9 +446,7 @@ def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, vari
     leaves its router grad and grad_x sum to its wgrad launch (defer_home), after it met every peer's
     pushes; FP8 dgrad per rank with each rank's own transposed e4m3 weights; "kept": each rank's forward
     keeps its x / act rows (KeptRows) and its backward pulls only grad_out. Same bits as emulated EP."""
-    from megatron_mok.kernel import KeptRows
-    from megatron_mok.kernel.backward import check_rank_backward_error, mok_backward_emulated, mok_backward_rank
-    from megatron_mok.kernel.comm import PeerBuffers, check_rank_error
+    from megatron_mok.kernel import PeerBuffers, mok_backward
     from megatron_mok.kernel.quant import quantize_expert_weights
 
     fp8, saved, kept = variant.startswith("fp8"), "saved_h" in variant, variant.endswith("kept")
@@ -464,26 +466,26 @@ def test_backward_rank_launches_with_wgrad_kernel_match_emulated(kernel, R, vari
 
     h_rank, h_emu = hbufs(), hbufs()
     M = cfg["minibatch_tokens"]
-    k_rank = [KeptRows.allocate(1, R * T * K, H, F, M, dev) for _ in range(R)] if kept else None
-    k_emu = KeptRows.allocate(R, R * T * K, H, F, M, dev) if kept else None
+    k_rank = [kept_rows(1, R * T * K, H, F, M, dev).parts[0] for _ in range(R)] if kept else None
+    k_emu = kept_rows(R, R * T * K, H, F, M, dev) if kept else None
     fwd = _launch_all(
         bufs, x, idx, wts, w1, w2, streams, saved_h=h_rank, fp8=per_rank if fp8 else None, keep=k_rank, **cfg
     )
     for r in range(R):
-        check_rank_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        _check_forward(bufs[r], streams[r], L, 5000.0)
     torch.cuda.synchronize()
     comb = [fwd[r][1].clone() for r in range(R)]
-    kernel.mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, fp8=q8, keep=k_emu, **cfg)  # emulated h / kept
+    mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h_emu, fp8=q8, keep=k_emu, **cfg)  # emulated h / kept
     res = {}
     for r in range(R):
         streams[r].wait_stream(torch.cuda.current_stream())
-        res[r] = mok_backward_rank(
+        res[r] = mok_backward(
             bufs[r], go[r], x[r], idx[r], wts[r], comb[r], w1[r], w2[r],
             saved_h=None if h_rank is None else h_rank[r], ctas=sms // R, stream=streams[r], check=False,
             wgrad="kernel", fp8=per_rank[r], kept=None if k_rank is None else k_rank[r], **cfg,
         )  # fmt: skip
     for r in range(R):
-        check_rank_backward_error(bufs[r], streams[r], L=L, timeout_ms=5000.0)
+        _check_backward(bufs[r], streams[r], L, 5000.0)
     torch.cuda.synchronize()
     ref = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h_emu, fp8=q8, kept=k_emu, **cfg)
     _assert_same_backward(res, ref, R, L)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from mok_truth import make_experts, make_routing  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,7 @@ def test_timeline_records_every_stage_per_sm():
 
     if not torch.cuda.is_available() or not k.is_available():
         pytest.skip("MoK kernel unavailable")
-    R, L, H, F, K, T = 2, 4, 512, 256, 4, 1000
+    R, L, H, F, K, T = 1, 4, 512, 256, 4, 1000
     comm, slots, mb = 2, 2, 256
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(3)
@@ -28,9 +29,9 @@ def test_timeline_records_every_stage_per_sm():
     idx, w = zip(*[make_routing(T, K, R * L, "uniform", dev, gen) for _ in range(R)])
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
-    out0, _, _ = k.mok_forward_emulated(x, list(idx), list(w), w1, w2, **kw)
+    out0, _, _ = mok_forward_emulated(x, list(idx), list(w), w1, w2, **kw)
     tl = Timeline(cap=1024)
-    out1, _, tpe = k.mok_forward_emulated(x, list(idx), list(w), w1, w2, **kw, timeline=tl)
+    out1, _, tpe = mok_forward_emulated(x, list(idx), list(w), w1, w2, **kw, timeline=tl)
     ev = tl.events()
     assert tl.dropped() == 0
     for a, b in zip(out0, out1):
@@ -69,12 +70,11 @@ def test_backward_timeline_records_every_stage_per_sm(saved, wgrad):
     """Every stage of the backward kernel on the SMs of its role. With the wgrad kernel after it (the
     default) the grad_x sum is that kernel's (home_reduce.cuh): no grad_x interval here then."""
     import megatron_mok.kernel as k
-    from megatron_mok.kernel.backward import mok_backward_emulated
     from megatron_mok.kernel.timeline import Timeline
 
     if not torch.cuda.is_available() or not k.is_available():
         pytest.skip("MoK kernel unavailable")
-    R, L, H, F, K, T = 2, 4, 512, 256, 4, 1000
+    R, L, H, F, K, T = 1, 4, 512, 256, 4, 1000
     comm, slots, mb = 2, 2, 256
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(5)
@@ -85,7 +85,7 @@ def test_backward_timeline_records_every_stage_per_sm(saved, wgrad):
     w1, w2 = make_experts(R, L, H, F, dev, gen)
     kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb)
     hbuf = [torch.empty((R * T * K, 2 * F), dtype=torch.bfloat16, device=dev) for _ in range(R)] if saved else None
-    _, comb, tpe = k.mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf)
+    _, comb, tpe = mok_forward_emulated(x, idx, w, w1, w2, **kw, saved_h=hbuf)
     ref = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf, wgrad=wgrad)
     tl = Timeline(cap=2048)
     got = mok_backward_emulated(go, x, idx, w, comb, w1, w2, **kw, saved_h=hbuf, wgrad=wgrad, timeline=tl)

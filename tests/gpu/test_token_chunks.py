@@ -15,15 +15,16 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from emulated import mok_forward_emulated  # noqa: E402
 from mok_truth import KEPT_AND_BACKWARD, kept_rows_and_backward, make_backward_case  # noqa: E402
 
-from megatron_mok.kernel.host.cargs import ForwardTuning  # noqa: E402
+from megatron_mok.kernel.tuning import ForwardTuning  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _launch(kernel, B, x, idx, wts, w1, w2, **kw):
-    got = kernel.mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=B), **kw)
+    got = mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=B), **kw)
     torch.cuda.synchronize()
     return got
 
@@ -76,11 +77,11 @@ def test_token_chunks_refuse_what_they_do_not_cover(kernel):
     x, idx, wts, w1, w2, _ = make_backward_case(2, 2, 256, 256, 2, [300, 300], "uniform", seed=1)
     kw = dict(comm_sms=2, ring_slots=2, minibatch_tokens=128)
     with pytest.raises(ValueError, match="kernel.macrobatches=2 needs EP 1"):
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=2), **kw)
+        mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=2), **kw)
     for bad in (-1, 65):
         with pytest.raises(ValueError, match="kernel.macrobatches must be an integer"):
             one = ([x[0]], [idx[0]], [wts[0]], [w1[0]], [w2[0]])
-            kernel.mok_forward_emulated(*one, tuning=ForwardTuning(macrobatches=bad), **kw)
+            mok_forward_emulated(*one, tuning=ForwardTuning(macrobatches=bad), **kw)
     x, idx, wts, w1, w2, _ = make_backward_case(1, 200, 128, 128, 2, [300], "uniform", seed=2)
     with pytest.raises(ValueError, match="row segments"):  # 3 x 200 segments > 512
-        kernel.mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=3), **kw)
+        mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(macrobatches=3), **kw)

@@ -1,9 +1,8 @@
-// Host side of the backward library (the backward megakernel, backward/backward_kernel.cuh, and the wgrad
-// kernel, backward/wgrad.cuh), every CUDA call checked.
-// Host API (extern "C", ctypes): mok_bwd_workspace_bytes, mok_bwd_emulated_launch, mok_bwd_rank_launch,
-// mok_wgrad_workspace_bytes, mok_wgrad_launch, mok_bwd_version.
+// Host side of the backward library: the launchers of the backward megakernel (backward/backward_kernel.cuh; one
+// rank's launch) and of the wgrad kernel (backward/wgrad.cuh), every CUDA call checked (host/launch_args.h).
 #include "backward/backward_kernel.cuh"
 #include "host/host_launch.h"
+#include "host/launch_args.h"
 #include "host/persistent_launch.h"
 
 #include <algorithm>
@@ -13,83 +12,6 @@
 #include <cstring>
 #include <vector>
 
-// =================================================================================================
-// Host API
-// =================================================================================================
-extern "C" {
-
-struct MokBwdArgs {
-  int R, L, H, F, K;
-  int comm_sms, ring_slots, minibatch;
-  int ctas_per_rank;
-  int stall_rank, stall_slot;
-  int device;
-  double timeout_ms;
-  long long cap;                      // rows of each rank's layout-order buffers
-  const long long* T;                 // host [R]
-  const unsigned long long* x;        // host [R] device ptrs
-  const unsigned long long* idx;
-  const unsigned long long* w;
-  const unsigned long long* grad_out;
-  const unsigned long long* combine;
-  const unsigned long long* grad_buf;
-  const unsigned long long* grad_x;
-  const unsigned long long* grad_w;
-  const unsigned long long* tpe;
-  const unsigned long long* xl;
-  const unsigned long long* gyl;
-  const unsigned long long* dh;
-  const unsigned long long* act;
-  const unsigned long long* w1;       // host [R*L] [2F, H] row stride w1_ld
-  const long long* w1_ld;
-  const unsigned long long* w2;       // host [R*L] [H, F] row stride w2_ld (read MN-major, as stored)
-  const long long* w2_ld;
-  const unsigned long long* w2t;      // host [R*L] [F, H] contiguous W2^T: recompute path only (else 0)
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;             // device int32[8]
-  // Optional host [R] (0 = recompute): forward's fc1 output [cap, 2F] bf16 in layout order (kept by the
-  // forward kernel with saved_h); stage 1 then reads h instead of recomputing x @ W1^T.
-  const unsigned long long* saved_h;
-  // Optional in-kernel timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
-  unsigned long long timeline;
-  unsigned long long timeline_count;
-  int timeline_cap;
-  // Per-rank launch (mok_bwd_rank_launch) only; the emulated launch ignores these. Then x / idx / w /
-  // grad_out / grad_buf / signal are every rank's symmetric-memory pointers, the owner-side arrays
-  // (xl, gyl, dh, act, saved_h, grad_x, grad_w, combine, tpe) only need this rank's entry, and
-  // w1 / w1_ld / w2 / w2_ld / w2t hold this rank's L experts.
-  int rank;                           // -1 = emulated (all R ranks in this launch)
-  unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
-  const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
-  // FP8 dgrad (kernel.dtype fp8; needs saved_h, H and F multiples of 128): fp8 = 1 and, per expert of this
-  // launch (host [np*L], like w1 / w2), W2^T e4m3 [F, H] + scales [F/128, H/128] and W1^T e4m3 [H, 2F] +
-  // scales [H/128, 2F/128], all contiguous; per rank (host [R], owner side as xl), gy and dH e4m3
-  // [cap, H] / [cap, 2F] with 1 x 128 block scales [cap, H/128] / [cap, 2F/128]. 0 = bf16 dgrad.
-  int fp8;
-  const unsigned long long* w2t8;
-  const unsigned long long* w2ts;
-  const unsigned long long* w1t8;
-  const unsigned long long* w1ts;
-  const unsigned long long* gyl8;
-  const unsigned long long* gys;
-  const unsigned long long* dh8;
-  const unsigned long long* dhs;
-  // 1: skip the router-weight gradient and the grad_x sum; the wgrad launch that follows on the same
-  // stream does them (MokWgradArgs.home_parts) with its idle producer warps. 0: done here.
-  int defer_home;
-  // 1: xl already holds the layout-order expert input rows (the forward kernel kept them, keep_x):
-  // the comm SMs pull only grad_out. act_kept (needs saved_h): act holds the forward's SwiGLU output
-  // rows (keep_act), not recomputed from h.
-  int x_kept;
-  int act_kept;
-  // The SwiGLU variant of the forward (MokLaunchArgs.glu / glu_clamp / glu_offset, swiglu.cuh).
-  int glu;
-  float glu_clamp;
-  float glu_offset;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -111,6 +33,7 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
   if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS) return !write_err(eb, el, "ring_slots=%d", a->ring_slots);
   if (a->minibatch < 1 || a->minibatch > (1 << 20)) return !write_err(eb, el, "minibatch=%d", a->minibatch);
   if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
+  if (a->rank < 0 || a->rank >= a->R) return !write_err(eb, el, "rank %d out of [0, %d)", a->rank, a->R);
   if (a->fp8 && (a->H % 128 || a->F % 128))
     return !write_err(eb, el, "fp8 dgrad: hidden H=%d and ffn F=%d must be multiples of 128 (block scales)", a->H,
                       a->F);
@@ -126,8 +49,11 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
   return true;
 }
 
-// Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
-int launch_parts(const MokBwdArgs* a) { return a->rank >= 0 ? 1 : a->R; }
+// Rank partitions of one launch: this launch's own rank (as the forward's; EP 1 included).
+constexpr int launch_parts(const MokBwdArgs*) { return 1; }
+
+// Whether this launch meets peer ranks through their signal pads: EP > 1.
+bool has_peers(const MokBwdArgs* a) { return a->R > 1; }
 
 BwdWs plan(const MokBwdArgs* a) {
   BwdWs w{};
@@ -161,30 +87,21 @@ BwdWs plan(const MokBwdArgs* a) {
   return w;
 }
 
-
 }  // namespace
 
-extern "C" {
+namespace mok_host {
 
-const char* mok_bwd_version() { return "mok-backward-bf16-fp8-wgmma-3"; }
-
-long long mok_bwd_workspace_bytes(const MokBwdArgs* a) {
-  if (!validate(a, nullptr, 0)) return -1;
+long long backward_workspace_bytes(const MokBwdArgs* a, char* errbuf, int errlen) {
+  if (!validate(a, errbuf, errlen)) return -1;
   return (long long)plan(a).total;
 }
 
-}  // extern "C"
-
-namespace {
-
-// One launch of the backward kernel for ranks [rank0, rank0 + np): np = R (emulated EP, rank = -1) or
-// np = 1 (per-rank launch of rank `rank`, peers met through their signal pads).
-int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+// One launch of the backward kernel for rank a->rank of a->R (R > 1: peers met through their signal pads).
+int backward_launch(const MokBwdArgs* a, cudaStream_t stream, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return 1;
   const int np = launch_parts(a);
-  const int rank0 = a->rank >= 0 ? a->rank : 0;
-  if (a->rank >= 0) {
-    if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
+  const int rank0 = a->rank;
+  if (has_peers(a)) {
     if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
     if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
     for (int r = 0; r < a->R; ++r)
@@ -198,7 +115,6 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
       return write_err(errbuf, errlen, "fp8 dgrad: a weight (w2t8/w2ts/w1t8/w1ts) or buffer (gyl8/gys/dh8/dhs) array "
                        "is missing");
   }
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   if (a->act_kept && !a->saved_h)
     return write_err(errbuf, errlen, "act_kept needs saved_h (the recompute path writes act in its stage-1 epilogue)");
   if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, errbuf, errlen)) return 1;
@@ -316,13 +232,13 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
       br[r].dh8 = reinterpret_cast<uint8_t*>(a->dh8[r]);
       br[r].dhs = reinterpret_cast<float*>(a->dhs[r]);
     }
-    rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
+    rt[r].signal = has_peers(a) ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
   }
 
   mok::bwd::BwdParams P{};
   mok::Params& B = P.base;
   B.R = a->R; B.L = L; B.E = ws.E; B.H = H; B.F = F; B.K = a->K;
-  B.rank0 = rank0; B.nparts = np; B.peer_sync = a->rank >= 0 ? 1 : 0; B.epoch = a->epoch;
+  B.rank0 = rank0; B.nparts = np; B.peer_sync = has_peers(a) ? 1 : 0; B.epoch = a->epoch;
   B.comm_sms = a->comm_sms; B.ctas_per_rank = cpr; B.ring_slots = a->ring_slots; B.minibatch = a->minibatch;
   B.mt_max = ws.mt_max;
   B.mb_cap = ws.mb_cap;
@@ -364,52 +280,11 @@ int backward_launch(const MokBwdArgs* a, void* stream_ptr, char* errbuf, int err
   return launch_persistent(kernel, P, (unsigned)(np * cpr), smem, stream, state, errbuf, errlen);
 }
 
-}  // namespace
-
-// Emulated EP (all ranks' partitions in one launch on one GPU) and per-rank launches (real EP: one per GPU over
-// symmetric memory; every rank launches with the same epoch and token count, and the kernel reports a peer that
-// never arrives).
-MOK_PERSISTENT_ENTRY_POINTS(mok_bwd, MokBwdArgs, backward_launch)
+}  // namespace mok_host
 
 // =================================================================================================
 // wgrad (backward/wgrad.cuh): dW1 = dH^T x, dW2 = gy^T act per local expert, after the dgrad launch
 // =================================================================================================
-extern "C" {
-
-struct MokWgradArgs {
-  int np, L, H, F;
-  int rank0;                          // rank of partition 0 (error reports; emulated EP: 0)
-  int device;
-  int accumulate;                     // 1: add into the outputs (main_grad), 0: overwrite them
-  double timeout_ms;
-  long long cap;                      // rows of each layout-order buffer
-  const unsigned long long* tpe;      // host [np] device int32[L] (the dgrad launch's tokens per expert)
-  const unsigned long long* xl;       // host [np] [cap, H] bf16
-  const unsigned long long* gyl;      // host [np] [cap, H] bf16
-  const unsigned long long* dh;       // host [np] [cap, 2F] bf16
-  const unsigned long long* act;      // host [np] [cap, F] bf16
-  const unsigned long long* gw1;      // host [np*L] fp32 [2F, H], row stride gw1_ld
-  const long long* gw1_ld;
-  const unsigned long long* gw2;      // host [np*L] fp32 [H, F], row stride gw2_ld
-  const long long* gw2_ld;
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;             // device int32[8]: the dgrad launch's record (not cleared here)
-  // Home-side reductions of the preceding dgrad launch (made with defer_home = 1), 0 = none: per home
-  // rank (host [home_parts]) T, grad_out [T, H], combine [T, K, H], grad_buf [T, K, H], idx [T, K] int32,
-  // grad_w [T, K] fp32 and grad_x [T, H] outputs.
-  int K;
-  int home_parts;
-  const long long* h_T;
-  const unsigned long long* h_grad_out;
-  const unsigned long long* h_combine;
-  const unsigned long long* h_grad_buf;
-  const unsigned long long* h_idx;
-  const unsigned long long* h_grad_w;
-  const unsigned long long* h_grad_x;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -445,16 +320,15 @@ bool wgrad_validate(const MokWgradArgs* a, char* eb, int el) {
 
 }  // namespace
 
-extern "C" {
+namespace mok_host {
 
-long long mok_wgrad_workspace_bytes(const MokWgradArgs* a) {
-  if (!wgrad_validate(a, nullptr, 0)) return -1;
+long long wgrad_workspace_bytes(const MokWgradArgs* a, char* errbuf, int errlen) {
+  if (!wgrad_validate(a, errbuf, errlen)) return -1;
   return (long long)wgrad_plan(a).total;
 }
 
-int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+int wgrad_launch(const MokWgradArgs* a, cudaStream_t stream, char* errbuf, int errlen) {
   if (!wgrad_validate(a, errbuf, errlen)) return 1;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
@@ -561,4 +435,4 @@ int mok_wgrad_launch(const MokWgradArgs* a, void* stream_ptr, char* errbuf, int 
   return 0;
 }
 
-}  // extern "C"
+}  // namespace mok_host

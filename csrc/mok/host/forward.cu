@@ -1,13 +1,9 @@
-// Host side of the forward library: a torch-independent extern "C" API (ctypes), every CUDA call checked.
-//   mok_workspace_bytes(args)                  -> bytes of device workspace the launch needs (-1: invalid,
-//                                                 mok_forward_check(args, errbuf, errlen) says why)
-//   mok_forward_emulated_launch(args, stream, errbuf, errlen) -> 0 on success
-//   mok_forward_rank_launch(args, stream, errbuf, errlen)     -> 0 on success
-//   mok_device_info(dev, &num_sms, &major, &minor)
-//   and the unit kernels' entry points (host/unit_entry_points.cuh): the FP8 block-scaled grouped GEMM, the FP8
-//   weight quantiser and the MXFP8 row quantiser.
+// Host side of the forward library: the forward megakernel's launcher (one rank's launch; host/launch_args.h),
+// every CUDA call checked, and the unit kernels' launchers (host/unit_entry_points.cuh: the FP8 block-scaled grouped
+// GEMM, the FP8 weight quantiser, the MXFP8 row quantiser).
 #include "forward/forward_kernel.cuh"
 #include "host/host_launch.h"
+#include "host/launch_args.h"
 #include "host/persistent_launch.h"
 
 #include <algorithm>
@@ -18,83 +14,6 @@
 #include <cstring>
 #include <vector>
 
-// =================================================================================================
-// Host API
-// =================================================================================================
-extern "C" {
-
-struct MokLaunchArgs {
-  int R, L, H, F, K;
-  int comm_sms, ring_slots, minibatch;
-  int ctas_per_rank;  // 0 = auto: floor(num_sms / R)
-  int stall_rank, stall_slot;
-  int device;
-  double timeout_ms;
-  const long long* T;               // host [R] tokens per rank
-  const unsigned long long* x;      // host [R] device ptrs
-  const unsigned long long* idx;    // host [R]
-  const unsigned long long* w;      // host [R]
-  const unsigned long long* out;    // host [R]
-  const unsigned long long* combine;// host [R]
-  const unsigned long long* tpe;    // host [R]
-  const unsigned long long* w1;     // host [R*L] expert (q*L+e) fc1 weight [2F, H]
-  const long long* w1_ld;           // host [R*L] row stride (elements)
-  const unsigned long long* w2;     // host [R*L] fc2 weight [H, F]
-  const long long* w2_ld;           // host [R*L]
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;           // device int32[8]
-  // Per-rank launch (mok_forward_rank_launch) only; the emulated launch ignores these:
-  int rank;                         // this launch runs rank `rank`; -1 = emulated (all R ranks)
-  unsigned epoch;                   // call number >= 1, the same on every rank
-  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
-  // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
-  unsigned long long timeline;
-  unsigned long long timeline_count;
-  int timeline_cap;
-  // Optional: host [R] device ptrs (0 = none) of the owners' fc1-output buffers [saved_h_rows, 2F] bf16
-  // (layout order) that the backward reads instead of recomputing fc1; only this launch's ranks' are used.
-  const unsigned long long* saved_h;
-  long long saved_h_rows;
-  // FP8 kernel (kernel.dtype fp8) when fp8 = 1: w1 / w2 then point at e4m3 weights (w1_ld / w2_ld in
-  // elements = bytes) and w1s / w2s at their fp32 128 x 128 block scales, host [R*L] device ptrs of
-  // [2F/128, H/128] and [H/128, F/128] (contiguous). Needs H and F multiples of 128.
-  int fp8;
-  const unsigned long long* w1s;
-  const unsigned long long* w2s;
-  // Optional (bf16 only): keep the expert input and SwiGLU output rows for the backward. keep_x
-  // [parts][keep_rows][H] and keep_act [parts][keep_rows][F] bf16 (parts = the launch's ranks,
-  // contiguous) replace the ring: minibatch i sits at its own layout rows [mb_begin(i), mb_begin(i+1))
-  // of its owner's part, so the backward reads them instead of pulling x again and recomputing act (the rows
-  // Megatron's grouped GEMM keeps too). keep_rows: a multiple of the minibatch, the owner capacity.
-  unsigned long long keep_x;
-  unsigned long long keep_act;
-  long long keep_rows;
-  // FP8 per-rank launch only: host [R] device
-  // ptrs of every rank's source-quantised copy of its tokens in its symmetric region, e4m3 [T, H] and fp32
-  // [T, H / 128] scales (this rank's written by this launch, peers' pulled). Emulated launches keep the copies
-  // in the workspace and ignore these.
-  const unsigned long long* xq;
-  const unsigned long long* xs;
-  // The SwiGLU variant (swiglu.cuh; Megatron's activation_func_clamp_value / glu_linear_offset): glu = 1 with
-  // glu_clamp > 0 (+inf: none) and a finite glu_offset; 0 = the plain SwiGLU (the lean kernel instance).
-  int glu;
-  float glu_clamp;
-  float glu_offset;
-  // Tuning (config keys kernel.tile_raster / macrobatches / fast_silu; none changes a result bit but fast_silu):
-  // raster: ticket order of a GEMM stage, 0 row-block major, 1 n-tile major, G in [2, 64] bands of G row blocks,
-  // -1 the measured default (bf16 16: each wave's expert weights stay in L2, 2.6-5.4 % faster on the H200; fp8
-  // 0: bands were 1.8-2.7 % slower, its weights are half the bytes). macrobatches: token chunks B in [1, 64]
-  // (0 = 1), EP 1 only: the final sums of the first B - 1 chunks overlap the later GEMMs. fast_silu (fp8): SiLU
-  // through tanh.approx in the fc1 epilogue (expert_ffn.cuh: silu_tanh_f).
-  int raster;
-  int macrobatches;
-  int fast_silu;
-  // Timing ablations of the -DMOK_ABLATION build (common.cuh: MOK_DBG bits; results wrong); 0 otherwise.
-  int debug;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -120,6 +39,7 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
   if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
   if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, eb, el)) return false;
+  if (a->rank < 0 || a->rank >= a->R) return !write_err(eb, el, "rank %d out of [0, %d)", a->rank, a->R);
   if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS)
     return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
   if (a->minibatch < 1 || a->minibatch > (1 << 20))
@@ -130,7 +50,7 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
     return !write_err(eb, el, "fp8 needs H and F multiples of 128 (block scales), got H=%d F=%d", a->H, a->F);
   if ((a->keep_x != 0) != (a->keep_act != 0)) return !write_err(eb, el, "keep_x and keep_act go together");
   if (a->keep_x && a->fp8) return !write_err(eb, el, "kept expert input rows are bf16: not with the fp8 kernel");
-  if (a->fp8 && a->rank >= 0 && (!a->xq || !a->xs))
+  if (a->fp8 && a->R > 1 && (!a->xq || !a->xs))
     return !write_err(eb, el,
                       "an FP8 per-rank launch needs every rank's source-quantised copy xq / xs in its symmetric region "
                       "(PeerBuffers with fp8_sources=True)");
@@ -162,8 +82,12 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
   return true;
 }
 
-// Ranks that run in one launch: all R (emulated EP) or one (per-rank launch).
-int launch_parts(const MokLaunchArgs* a) { return a->rank >= 0 ? 1 : a->R; }
+// Rank partitions of one launch: always this launch's own rank (the device code can run several partitions in one
+// grid; the product launches one rank per launch, EP 1 included).
+constexpr int launch_parts(const MokLaunchArgs*) { return 1; }
+
+// Whether this launch meets peer ranks (signal pads, peers' source-quantised copies): EP > 1.
+bool has_peers(const MokLaunchArgs* a) { return a->R > 1; }
 
 // Rows of one ring slot: the largest minibatch (ring_buffer.cuh: mb_begin); with kept rows the ring is
 // the caller's layout-order buffer, whose "slots" are minibatch-sized pieces of it.
@@ -203,9 +127,8 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.act_scale = take(a->fp8 ? (size_t)np * S * M * (a->F / 128) * 4 : 0);
   long long tokens = 0;
   for (int r = 0; r < a->R; ++r) tokens += a->T[r];
-  // FP8, emulated: every rank's tokens' e4m3 rows and scales, rank after rank (per-rank launches:
-  // in the symmetric regions, a->xq / a->xs)
-  const bool src_copy_here = srcq && a->rank < 0;
+  // FP8 at EP 1: the tokens' e4m3 rows and scales live here (EP > 1: in the symmetric regions, a->xq / a->xs)
+  const bool src_copy_here = srcq && !has_peers(a);
   w.xq = take(src_copy_here ? (size_t)std::max<long long>(tokens, 1) * a->H : 0);
   w.xs = take(src_copy_here ? (size_t)std::max<long long>(tokens, 1) * (a->H / 128) * 4 : 0);
   w.layout = take((size_t)np * (size_t)w.layout_cap * sizeof(int2));
@@ -226,61 +149,38 @@ WsLayout plan(const MokLaunchArgs* a) {
   return w;
 }
 
+int smem_bytes(int E) { return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024; }
 
 }  // namespace
 
-extern "C" {
+namespace mok_host {
 
-long long mok_workspace_bytes(const MokLaunchArgs* a) {
-  if (!validate(a, nullptr, 0)) return -1;
+long long forward_workspace_bytes(const MokLaunchArgs* a, char* errbuf, int errlen) {
+  if (!validate(a, errbuf, errlen)) return -1;
   return (long long)plan(a).total;
 }
 
-// Why mok_workspace_bytes refused a: the validation's message (0 if valid).
-int mok_forward_check(const MokLaunchArgs* a, char* errbuf, int errlen) { return validate(a, errbuf, errlen) ? 0 : 1; }
-
-const char* mok_version() { return "mok-forward-bf16-fp8-wgmma-2"; }
-
-
-int mok_smem_bytes(int E) {
-  return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024;
-}
-
-int mok_device_info(int device, int* num_sms, int* major, int* minor) {
-  if (cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) return 1;
-  return 0;
-}
-
-}  // extern "C"
-
-namespace {
-
-// One launch of the forward kernel for ranks [rank0, rank0 + np): np = R (emulated EP, rank = -1) or
-// np = 1 (per-rank launch of rank `rank`, peers met through their signal pads).
-int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+// One launch of the forward kernel for rank a->rank of a->R (R > 1: peers met through their signal pads).
+int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return 1;
   const int np = launch_parts(a);
-  const int rank0 = a->rank >= 0 ? a->rank : 0;
+  const int rank0 = a->rank;
   // saved_h holds saved_h_rows rows per owner (a capacity: the kernel reports an owner routed more rows)
   if (a->saved_h && a->saved_h_rows < 1)
     return write_err(errbuf, errlen, "saved_h buffer needs >= 1 row, got %lld", a->saved_h_rows);
-  if (a->rank >= 0) {
-    if (a->rank >= a->R) return write_err(errbuf, errlen, "rank %d out of [0, %d)", a->rank, a->R);
+  if (has_peers(a)) {
     if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
     if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
     for (int r = 0; r < a->R; ++r)
       if (!a->signal[r]) return write_err(errbuf, errlen, "signal pad of rank %d is null", r);
   }
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   PersistentGrid grid;
   if (persistent_grid(a->device, np, a->ctas_per_rank, a->comm_sms, &grid, errbuf, errlen)) return 1;
   const int cpr = grid.cpr;
   const WsLayout ws = plan(a);
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
-  const int smem = mok_smem_bytes(ws.E);
+  const int smem = smem_bytes(ws.E);
   // The lean kernel instance unless this launch uses an optional feature (common.cuh: FwdFeature)
   const int fast_silu = a->fp8 ? a->fast_silu : 0;  // validated
   // Instances: lean (kFeat 0), the SwiGLU variant alone (kFeatGlu: a clamped / offset SwiGLU model runs as fast
@@ -361,9 +261,9 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   if (a->fp8) {  // [R] e4m3 rows, then [R] scales: rank r's source-quantised copy
     uint8_t** xq = reinterpret_cast<uint8_t**>(host + ws.src_ptrs);
     float** xs = reinterpret_cast<float**>(xq + a->R);
-    long long row = 0;  // emulated: rank r's rows in the workspace copy
+    long long row = 0;  // EP 1: the rank's rows in the workspace copy
     for (int r = 0; r < a->R; ++r) {
-      if (a->rank >= 0) {
+      if (has_peers(a)) {
         if (!a->xq[r] || !a->xs[r])
           return write_err(errbuf, errlen, "source-quantised copy of rank %d (xq / xs) is null", r);
         xq[r] = reinterpret_cast<uint8_t*>(a->xq[r]);
@@ -385,7 +285,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
     rt[r].out = reinterpret_cast<__nv_bfloat16*>(a->out[r]);
     rt[r].combine = reinterpret_cast<__nv_bfloat16*>(a->combine[r]);
     rt[r].tokens_per_expert = reinterpret_cast<int*>(a->tpe[r]);
-    rt[r].signal = a->rank >= 0 ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
+    rt[r].signal = has_peers(a) ? reinterpret_cast<unsigned*>(a->signal[r]) : nullptr;
     rt[r].saved_h = a->saved_h ? reinterpret_cast<__nv_bfloat16*>(a->saved_h[r]) : nullptr;
     rt[r].T = (int)a->T[r];
     rt[r].entry_base = (int)entry_base;
@@ -396,7 +296,7 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
 
   mok::Params P{};
   P.R = a->R; P.L = L; P.E = ws.E; P.H = H; P.F = F; P.K = a->K;
-  P.rank0 = rank0; P.nparts = np; P.peer_sync = a->rank >= 0 ? 1 : 0; P.epoch = a->epoch;
+  P.rank0 = rank0; P.nparts = np; P.peer_sync = has_peers(a) ? 1 : 0; P.epoch = a->epoch;
   P.comm_sms = a->comm_sms; P.ctas_per_rank = cpr; P.ring_slots = S; P.minibatch = M;
   P.slot_rows = SR; P.kept_layout = keep ? 1 : 0;
   P.mt_max = ws.mt_max;
@@ -451,11 +351,6 @@ int forward_launch(const MokLaunchArgs* a, void* stream_ptr, char* errbuf, int e
   return launch_persistent(kernel, P, (unsigned)(np * cpr), smem, stream, state, errbuf, errlen);
 }
 
-}  // namespace
-
-// Emulated EP (all ranks' partitions in one launch on one GPU) and per-rank launches (real EP: one per GPU over
-// symmetric memory; every rank launches with the same epoch and token count, and the kernel reports a peer that
-// never arrives).
-MOK_PERSISTENT_ENTRY_POINTS(mok_forward, MokLaunchArgs, forward_launch)
+}  // namespace mok_host
 
 #include "host/unit_entry_points.cuh"

@@ -94,31 +94,4 @@ inline int launch_persistent(void (*kernel)(Params), const Params& P, unsigned g
   return 0;
 }
 
-// The two entry points every persistent kernel has: all ranks' partitions in one launch on one GPU (emulated EP,
-// rank -1), or the launch of rank args->rank (real EP: one per GPU over symmetric memory; every rank must launch
-// with the same epoch and token count, and the kernel meets the peers on their signal pads).
-template <class Args>
-inline int launch_emulated(int (*launch)(const Args*, void*, char*, int), const Args* a, void* stream, char* errbuf,
-                           int errlen) {
-  Args b = *a;
-  b.rank = -1;
-  return launch(&b, stream, errbuf, errlen);
-}
-template <class Args>
-inline int launch_rank(int (*launch)(const Args*, void*, char*, int), const Args* a, void* stream, char* errbuf,
-                       int errlen) {
-  if (a->rank < 0) return write_err(errbuf, errlen, "per-rank launch needs rank >= 0");
-  return launch(a, stream, errbuf, errlen);
-}
-
 }  // namespace mok_host
-
-// The extern "C" pair of a persistent kernel's library, NAME_emulated_launch and NAME_rank_launch (see
-// launch_emulated / launch_rank), over its launcher int LAUNCH(const ARGS*, void* stream, char* errbuf, int errlen).
-#define MOK_PERSISTENT_ENTRY_POINTS(NAME, ARGS, LAUNCH)                                         \
-  extern "C" int NAME##_emulated_launch(const ARGS* a, void* stream, char* errbuf, int errlen) { \
-    return mok_host::launch_emulated(LAUNCH, a, stream, errbuf, errlen);                       \
-  }                                                                                              \
-  extern "C" int NAME##_rank_launch(const ARGS* a, void* stream, char* errbuf, int errlen) {     \
-    return mok_host::launch_rank(LAUNCH, a, stream, errbuf, errlen);                           \
-  }

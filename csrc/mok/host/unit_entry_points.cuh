@@ -1,33 +1,16 @@
-// extern "C" entry points of the forward library's unit kernels (included once, by host/forward.cu): the FP8
+// Launchers of the forward library's unit kernels (included once, by host/forward.cu): the FP8
 // block-scaled grouped GEMM (gemm/fp8_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh) and the
 // MXFP8 row quantiser (quant/mxfp8_quant.cuh). Host code; every CUDA call checked.
 #pragma once
 #include "gemm/fp8_gemm.cuh"
 #include "host/host_launch.h"
+#include "host/launch_args.h"
 #include "quant/fp8_weight_quant.cuh"
 #include "quant/mxfp8_quant.cuh"
 
 // =================================================================================================
 // FP8 block-scaled grouped GEMM (gemm/fp8_gemm.cuh): the unit kernel of the FP8 path
 // =================================================================================================
-extern "C" {
-
-struct MokFp8GemmArgs {
-  int L, N, K, device;
-  long long rows;                     // rows of xq / xs / out
-  const long long* counts;            // host [L] rows per expert, segments back to back from row 0
-  unsigned long long xq;              // device e4m3 [rows, K]
-  unsigned long long xs;              // device fp32 [rows, K / 128]
-  const unsigned long long* wq;       // host [L] device e4m3 [N, K]
-  const unsigned long long* ws;       // host [L] device fp32 [N / 128, K / 128]
-  unsigned long long out;             // device bf16 [rows, N]
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;             // device int32[16]
-  double timeout_ms;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -64,16 +47,15 @@ F8Ws fp8_plan(const MokFp8GemmArgs* a) {
 
 }  // namespace
 
-extern "C" {
+namespace mok_host {
 
-long long mok_fp8_gemm_workspace_bytes(const MokFp8GemmArgs* a) {
-  if (!fp8_validate(a, nullptr, 0)) return -1;
+long long fp8_gemm_workspace_bytes(const MokFp8GemmArgs* a, char* errbuf, int errlen) {
+  if (!fp8_validate(a, errbuf, errlen)) return -1;
   return (long long)fp8_plan(a).total;
 }
 
-int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf, int errlen) {
+int fp8_gemm_launch(const MokFp8GemmArgs* a, cudaStream_t stream, char* errbuf, int errlen) {
   if (!fp8_validate(a, errbuf, errlen)) return 1;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   MOK_CUDA_CHECK(cudaSetDevice(a->device));
   int num_sms = 0;
   MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
@@ -139,42 +121,44 @@ int mok_fp8_gemm_launch(const MokFp8GemmArgs* a, void* stream_ptr, char* errbuf,
   return 0;
 }
 
-}  // extern "C"
+}  // namespace mok_host
 
 
 // =================================================================================================
 // FP8 weight quantisation (quant/fp8_weight_quant.cuh): once per optimizer step, bit-identical to the oracle
 // =================================================================================================
-extern "C" {
+namespace mok_host {
 
-int mok_fp8_quantize_weight(unsigned long long w, long long ld, int N, int K, unsigned long long q,
-                            unsigned long long s, int device, void* stream_ptr, char* errbuf, int errlen) {
+int fp8_quantize_weight(const void* wp, long long ld, int N, int K, void* qp, float* sp, int device, cudaStream_t stream,
+                        char* errbuf, int errlen) {
+  const unsigned long long w = reinterpret_cast<uintptr_t>(wp), q = reinterpret_cast<uintptr_t>(qp),
+                           s = reinterpret_cast<uintptr_t>(sp);
   if (N < 128 || K < 128 || N % 128 || K % 128)
     return write_err(errbuf, errlen, "fp8 weight [%d, %d]: both sizes must be positive multiples of 128", N, K);
   if (ld < K || ld % 8) return write_err(errbuf, errlen, "fp8 weight: row stride %lld must be >= K and a multiple of 8", ld);
   if (!w || !q || !s || w % 16 || q % 16)
     return write_err(errbuf, errlen, "fp8 weight: null or not 16-byte aligned weight / output pointer");
   MOK_CUDA_CHECK(cudaSetDevice(device));
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   mok::mok_fp8_quantize_weight_kernel<<<dim3((unsigned)(K / 128), (unsigned)(N / 128)), 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(w), ld, K, reinterpret_cast<uint8_t*>(q), reinterpret_cast<float*>(s));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
 
-}  // extern "C"
+}  // namespace mok_host
 
 
 // =================================================================================================
 // MXFP8 rows (quant/mxfp8_quant.cuh): the Blackwell recipe's quantiser as a unit, runnable on any arch
 // =================================================================================================
-extern "C" {
+namespace mok_host {
 
 // sf_layout: 0 row-major [M][H/32] bytes; 1 the sm_100 MMA's scale-factor layout (sf_bytes: its size,
 // rows padded to 128 and scales per row to 4 -- megatron_mok/mxfp8.py sm100_sf_bytes).
-int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, unsigned long long q,
-                            unsigned long long sf, long long sf_bytes, int sf_layout, int device, void* stream_ptr,
-                            char* errbuf, int errlen) {
+int mxfp8_quantize_rows(const void* xp, long long ld, int M, int H, void* qp, void* sfp, long long sf_bytes,
+                        int sf_layout, int device, cudaStream_t stream, char* errbuf, int errlen) {
+  const unsigned long long x = reinterpret_cast<uintptr_t>(xp), q = reinterpret_cast<uintptr_t>(qp),
+                           sf = reinterpret_cast<uintptr_t>(sfp);
   if (M < 0 || H < 32 || H % 32)
     return write_err(errbuf, errlen, "mxfp8 rows [%d, %d]: H must be a positive multiple of 32", M, H);
   if (ld < H || ld % 8) return write_err(errbuf, errlen, "mxfp8 rows: row stride %lld must be >= H and a multiple of 8", ld);
@@ -189,7 +173,6 @@ int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, un
   if (!x || !q || !sf || x % 16 || q % 8)
     return write_err(errbuf, errlen, "mxfp8 rows: null or misaligned pointer (x 16-byte, q 8-byte)");
   MOK_CUDA_CHECK(cudaSetDevice(device));
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   const int blocks = (int)std::min<long long>(((long long)M + 7) / 8, 65535);
   mok::mok_mxfp8_quantize_rows_kernel<<<blocks, 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), ld, M, H, reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(sf),
@@ -198,4 +181,4 @@ int mok_mxfp8_quantize_rows(unsigned long long x, long long ld, int M, int H, un
   return 0;
 }
 
-}  // extern "C"
+}  // namespace mok_host

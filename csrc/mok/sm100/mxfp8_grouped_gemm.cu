@@ -10,10 +10,7 @@
 // is the oracle for the first Blackwell run. The scales it reads are in the layout csrc/mok/quant/mxfp8_quant.cuh
 // writes (kMxScalesSm100), verified against CUTLASS's layout on CPU.
 //
-// Host API (extern "C", no torch):
-//   mok_sm100_mxfp8_gemm_workspace_bytes(G, M[], N, K, device)  -> bytes of device workspace, or -1
-//   mok_sm100_mxfp8_grouped_gemm(G, M[], N, K, A[], B[], SFA[], SFB[], D[], ldd, workspace, bytes,
-//                                device, stream, errbuf, errlen) -> 0 on success
+// Host API (sm100/mxfp8_grouped_gemm.h, no torch; the PyTorch operator is apis/sm100.cpp).
 // A[g]: [M_g, K] e4m3 row-major; B[g]: [N, K] e4m3 row-major (the expert weight); SFA[g] / SFB[g]: their
 // scales in the sm_100 layout; D[g]: [M_g, ldd] bf16. K a multiple of 128, N of 16, M_g >= 0.
 #include <cstdint>
@@ -22,6 +19,8 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+
+#include "sm100/mxfp8_grouped_gemm.h"
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -146,9 +145,9 @@ inline typename Gemm::Arguments make_args(int G, uint8_t* ws, const DeviceArrays
 
 }  // namespace mok::sm100
 
-extern "C" {
+namespace mok_host {
 
-long long mok_sm100_mxfp8_gemm_workspace_bytes(int G, const int* M, int N, int K, int device) {
+long long sm100_mxfp8_gemm_workspace_bytes(int G, const int* M, int N, int K, int device) {
   using namespace mok::sm100;
   if (!check_shapes(G, M, N, K, nullptr, 0)) return -1;
   std::vector<UnderlyingProblem> host(G);
@@ -158,10 +157,10 @@ long long mok_sm100_mxfp8_gemm_workspace_bytes(int G, const int* M, int N, int K
   return (long long)(w.total + align256(Gemm::get_workspace_size(args)));
 }
 
-int mok_sm100_mxfp8_grouped_gemm(int G, const int* M, int N, int K, const void* const* A, const void* const* B,
-                                 const void* const* SFA, const void* const* SFB, void* const* D, long long ldd,
-                                 void* workspace, unsigned long long workspace_bytes, int device, void* stream_ptr,
-                                 char* errbuf, int errlen) {
+int sm100_mxfp8_grouped_gemm(int G, const int* M, int N, int K, const void* const* A, const void* const* B,
+                             const void* const* SFA, const void* const* SFB, void* const* D, long long ldd,
+                             void* workspace, unsigned long long workspace_bytes, int device, cudaStream_t stream,
+                             char* errbuf, int errlen) {
   using namespace mok::sm100;
   if (!check_shapes(G, M, N, K, errbuf, errlen)) return 1;
   if (ldd < N || ldd % 8) return write_err(errbuf, errlen, "mxfp8 grouped gemm: ldd=%lld must be >= N and a multiple of 8", ldd);
@@ -190,7 +189,6 @@ int mok_sm100_mxfp8_grouped_gemm(int G, const int* M, int N, int K, const void* 
   const size_t need = w.total + align256(Gemm::get_workspace_size(args));
   if (!workspace || workspace_bytes < need)
     return write_err(errbuf, errlen, "mxfp8 grouped gemm: workspace of %llu bytes, needs %zu", workspace_bytes, need);
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_ptr);
   std::vector<uint8_t> host(w.total, 0);  // every per-expert array, one host-to-device copy
   auto put = [&](size_t off, const void* src, size_t bytes) { std::memcpy(host.data() + off, src, bytes); };
   put(w.problems, problems.data(), G * sizeof(UnderlyingProblem));
@@ -221,4 +219,4 @@ int mok_sm100_mxfp8_grouped_gemm(int G, const int* M, int N, int K, const void* 
   return 0;
 }
 
-}  // extern "C"
+}  // namespace mok_host

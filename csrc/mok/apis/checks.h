@@ -1,0 +1,81 @@
+// Argument checks of the PyTorch operators (apis/*.cpp): one clear ValueError per bad argument, naming the
+// operator, the tensor, what was expected and what came; and the conversion of a launcher's refusal into a
+// RuntimeError. Host code only.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace mok_api {
+
+inline std::string describe(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.scalar_type() << " " << t.sizes() << " on " << t.device();
+  return s.str();
+}
+
+inline std::string shape_str(at::IntArrayRef shape) {
+  std::ostringstream s;
+  s << shape;
+  return s.str();
+}
+
+// t is a tensor of `dtype` on `device` with `ndim` dimensions.
+inline void check_tensor(const char* op, const std::string& name, const at::Tensor& t, at::ScalarType dtype,
+                         int64_t ndim, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is missing");
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == ndim && t.device() == device, op, ": ", name, " must be a ",
+                    ndim, "-D ", dtype, " tensor on ", device, ", got ", describe(t));
+}
+
+// ... and of exactly `shape`.
+inline void check_shape(const char* op, const std::string& name, const at::Tensor& t, at::ScalarType dtype,
+                        at::IntArrayRef shape, const at::Device& device) {
+  check_tensor(op, name, t, dtype, (int64_t)shape.size(), device);
+  TORCH_CHECK_VALUE(t.sizes() == shape, op, ": ", name, " must be ", dtype, " ", shape_str(shape), ", got ", describe(t));
+}
+
+inline void check_contiguous(const char* op, const std::string& name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+}
+
+// A 2-D operand read by TMA in place: unit inner stride, a row stride of a multiple of 16 bytes, 16-byte aligned.
+inline void check_tma_rows(const char* op, const std::string& name, const at::Tensor& t) {
+  const int64_t row_bytes = t.stride(0) * (int64_t)t.element_size();
+  TORCH_CHECK_VALUE(t.stride(1) == 1 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op,
+                    ": ", name, " needs unit inner stride, a row stride of a multiple of 16 bytes and a 16-byte aligned "
+                    "start, got strides ", t.strides());
+}
+
+inline unsigned long long ptr(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()); }
+
+inline unsigned long long ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? ptr(*t) : 0ull; }
+
+// Device pointers of every rank's region: peer_bases[r] + offset.
+inline std::vector<unsigned long long> peer_ptrs(at::IntArrayRef bases, int64_t offset) {
+  std::vector<unsigned long long> v(bases.size());
+  for (size_t r = 0; r < bases.size(); ++r) v[r] = (unsigned long long)(bases[r] + offset);
+  return v;
+}
+
+// Only rank `rank`'s entry set (owner-side buffers of a per-rank launch).
+inline std::vector<unsigned long long> own_only(int world, int rank, unsigned long long p) {
+  std::vector<unsigned long long> v((size_t)world, 0ull);
+  v[(size_t)rank] = p;
+  return v;
+}
+
+// A launcher's refusal (rc != 0) as one RuntimeError naming the operator.
+inline void check_launch(int rc, const char* op, const char* errbuf) {
+  TORCH_CHECK(rc == 0, op, ": ", errbuf[0] ? errbuf : "launch failed");
+}
+
+constexpr int kErrLen = 1024;
+
+}  // namespace mok_api

@@ -1,0 +1,125 @@
+// The unit kernels as PyTorch operators (schemas: megatron_mok/kernel/ops.py): the FP8 weight quantiser (once per
+// optimizer step), the FP8 block-scaled grouped GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
+// alone by their tests and benchmarks).
+#include <torch/library.h>
+
+#include "apis/checks.h"
+#include "mok_limits.h"
+#include "host/launch_args.h"
+
+namespace mok_api {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_weight(const at::Tensor& w) {
+  constexpr const char* kOp = "mok.fp8_quantize_weight";
+  TORCH_CHECK_VALUE(w.defined() && w.is_cuda(), kOp, ": w must be a CUDA tensor");
+  check_tensor(kOp, "w", w, at::kBFloat16, 2, w.device());
+  check_tma_rows(kOp, "w", w);
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK_VALUE(N % 128 == 0 && K % 128 == 0 && N > 0 && K > 0, kOp, ": w ", describe(w),
+                    " must be positive multiples of 128 in both dimensions");
+  const c10::cuda::CUDAGuard guard(w.device());
+  at::Tensor q = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor s = at::empty({N / 128, K / 128}, w.options().dtype(at::kFloat));
+  char eb[kErrLen] = {0};
+  check_launch(mok_host::fp8_quantize_weight(w.data_ptr(), w.stride(0), (int)N, (int)K, q.data_ptr(),
+                                             s.data_ptr<float>(), w.device().index(),
+                                             c10::cuda::getCurrentCUDAStream(w.device().index()).stream(), eb, kErrLen),
+               kOp, eb);
+  return {q, s};
+}
+
+void fp8_grouped_gemm(const at::Tensor& xq, const at::Tensor& xs, at::TensorList wq, at::TensorList ws,
+                      at::IntArrayRef counts, const at::Tensor& out, const at::Tensor& err, double timeout_ms) {
+  constexpr const char* kOp = "mok.fp8_grouped_gemm";
+  TORCH_CHECK_VALUE(xq.defined() && xq.is_cuda() && xq.dim() == 2, kOp, ": xq must be a 2-D CUDA tensor, got ",
+                    xq.defined() ? describe(xq) : "nothing");
+  const at::Device dev = xq.device();
+  const int64_t rows = xq.size(0), K = xq.size(1);
+  const int64_t L = (int64_t)wq.size();
+  TORCH_CHECK_VALUE(K % 128 == 0 && K > 0, kOp, ": K=", K, " must be a positive multiple of 128");
+  TORCH_CHECK_VALUE(L >= 1 && (int64_t)ws.size() == L && (int64_t)counts.size() == L, kOp,
+                    ": wq, ws and counts need one entry per expert, got ", wq.size(), ", ", ws.size(), ", ",
+                    counts.size());
+  check_shape(kOp, "xq", xq, at::kFloat8_e4m3fn, {rows, K}, dev);
+  check_shape(kOp, "xs", xs, at::kFloat, {rows, K / 128}, dev);
+  TORCH_CHECK_VALUE(wq[0].dim() == 2, kOp, ": wq[0] must be [N, K], got ", describe(wq[0]));
+  const int64_t N = wq[0].size(0);
+  TORCH_CHECK_VALUE(N % 128 == 0 && N > 0, kOp, ": weights must be [N, K] with N a positive multiple of 128, got ",
+                    describe(wq[0]));
+  check_shape(kOp, "out", out, at::kBFloat16, {rows, N}, dev);
+  check_shape(kOp, "err", err, at::kInt, {16}, dev);
+  for (const at::Tensor* t : {&xq, &xs, &out}) check_contiguous(kOp, "xq / xs / out", *t);
+  std::vector<unsigned long long> wqp((size_t)L), wsp((size_t)L);
+  long long sum = 0;
+  for (int64_t e = 0; e < L; ++e) {
+    const std::string s = "[" + std::to_string(e) + "]";
+    check_shape(kOp, "wq" + s, wq[e], at::kFloat8_e4m3fn, {N, K}, dev);
+    check_shape(kOp, "ws" + s, ws[e], at::kFloat, {N / 128, K / 128}, dev);
+    check_contiguous(kOp, "wq" + s, wq[e]);
+    check_contiguous(kOp, "ws" + s, ws[e]);
+    TORCH_CHECK_VALUE(counts[e] >= 0, kOp, ": counts[", e, "] = ", counts[e], " < 0");
+    sum += counts[e];
+    wqp[e] = ptr(wq[e]);
+    wsp[e] = ptr(ws[e]);
+  }
+  TORCH_CHECK_VALUE(sum <= rows, kOp, ": counts sum to ", sum, " rows, x has ", rows);
+  const c10::cuda::CUDAGuard guard(dev);
+  const std::vector<long long> cnt(counts.begin(), counts.end());
+  mok_host::MokFp8GemmArgs a{};
+  a.L = (int)L;
+  a.N = (int)N;
+  a.K = (int)K;
+  a.device = dev.index();
+  a.rows = rows;
+  a.counts = cnt.data();
+  a.xq = ptr(xq);
+  a.xs = ptr(xs);
+  a.wq = wqp.data();
+  a.ws = wsp.data();
+  a.out = ptr(out);
+  a.timeout_ms = timeout_ms;
+  char eb[kErrLen] = {0};
+  const long long nbytes = mok_host::fp8_gemm_workspace_bytes(&a, eb, kErrLen);
+  TORCH_CHECK_VALUE(nbytes >= 0, kOp, ": invalid launch: ", eb);
+  at::Tensor wsb = at::empty({nbytes + 256}, xq.options().dtype(at::kByte));
+  a.workspace = (ptr(wsb) + 255) / 256 * 256;
+  a.workspace_bytes = (unsigned long long)nbytes;
+  a.err = ptr(err);
+  check_launch(mok_host::fp8_gemm_launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), kOp,
+               eb);
+}
+
+// scale_layout 0: row-major UE8M0 [M, H / 32]; 1: the sm_100 MMA's scale-factor layout as flat bytes
+std::tuple<at::Tensor, at::Tensor> mxfp8_quantize_rows(const at::Tensor& x, int64_t scale_layout) {
+  constexpr const char* kOp = "mok.mxfp8_quantize_rows";
+  TORCH_CHECK_VALUE(x.defined() && x.is_cuda(), kOp, ": x must be a CUDA tensor");
+  check_tensor(kOp, "x", x, at::kBFloat16, 2, x.device());
+  check_tma_rows(kOp, "x", x);
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK_VALUE(H % 32 == 0 && H > 0, kOp, ": H=", H, " must be a positive multiple of 32");
+  TORCH_CHECK_VALUE(scale_layout == 0 || scale_layout == 1, kOp, ": scale_layout must be 0 (row) or 1 (sm100), got ",
+                    scale_layout);
+  const int64_t nkb = H / 32;
+  const int64_t sf_bytes = scale_layout == 0 ? M * nkb : ((M + 127) / 128) * ((nkb + 3) / 4) * 512;
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor q = at::empty({M, H}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor sf = scale_layout == 0 ? at::empty({M, nkb}, x.options().dtype(at::kByte))
+                                    : at::zeros({sf_bytes}, x.options().dtype(at::kByte));
+  char eb[kErrLen] = {0};
+  check_launch(mok_host::mxfp8_quantize_rows(x.data_ptr(), x.stride(0), (int)M, (int)H, q.data_ptr(), sf.data_ptr(),
+                                             sf_bytes, (int)scale_layout, x.device().index(),
+                                             c10::cuda::getCurrentCUDAStream(x.device().index()).stream(), eb, kErrLen),
+               kOp, eb);
+  return {q, sf};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mok, CUDA, m) {
+  m.impl("fp8_quantize_weight", &fp8_quantize_weight);
+  m.impl("fp8_grouped_gemm", &fp8_grouped_gemm);
+  m.impl("mxfp8_quantize_rows", &mxfp8_quantize_rows);
+}
+
+}  // namespace mok_api
