@@ -319,9 +319,7 @@ def main():
                 _, kcomb, _ = mok_forward_emulated([x], [idx], [w], w1l, w2l, saved_h=hbuf, keep=kept, **fkw)
                 for comm in args.kept_comm_sms:
                     kw = dict(comm_sms=comm, ring_slots=args.ring_slots, minibatch_tokens=args.minibatch)
-                    res = mok_backward_emulated(
-                        [go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, kept=kept, **kw
-                    )
+                    res = mok_backward_emulated([go], [x], [idx], [w], kcomb, w1l, w2l, saved_h=hbuf, kept=kept, **kw)
                     print(f"MoK saved-h+kept comm_sms={comm}: " + err_text(*res), flush=True)
                     time_saved_h_modes(
                         "saved-h+kept",

@@ -41,13 +41,14 @@ def _churn(kernel, seed: int) -> None:
         mok_forward_emulated(x, idx, wts, w1, w2, **KW)
 
 
-@pytest.mark.parametrize("R,dtype", [(1, "bf16"), (2, "bf16"), (1, "fp8"), (2, "fp8")])
-def test_forward_graph_replays_equal_eager_calls(kernel, R, dtype):
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_forward_graph_replays_equal_eager_calls(kernel, dtype):
+    """EP 1, the layer's launch (EP > 1 launches meet their peers under a new epoch each call: not capturable)."""
     from megatron_mok.kernel.quant import quantize_expert_weights
 
-    L, H, F, K = 3, 512, 256, 4
-    Ts = [300, 211][:R]
-    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, seed=5 + R)
+    R, L, H, F, K = 1, 3, 512, 256, 4
+    Ts = [300]
+    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, seed=6)
     extra = {"fp8": quantize_expert_weights(w1, w2)} if dtype == "fp8" else {}
 
     def call(check):
@@ -105,8 +106,8 @@ def test_forward_graph_keeps_its_workspace_when_eager_calls_grow_theirs(kernel):
 
 
 def test_backward_graph_replay_equals_eager_call(kernel, bk):
-    R, L, H, F, K = 2, 2, 512, 256, 4
-    Ts = [300, 200]
+    R, L, H, F, K = 1, 2, 512, 256, 4
+    Ts = [300]
     x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, seed=11)
     gen = torch.Generator(device="cuda").manual_seed(12)
     gos = [torch.randn((T, H), generator=gen, device="cuda").bfloat16() for T in Ts]
@@ -121,7 +122,7 @@ def test_backward_graph_replay_equals_eager_call(kernel, bk):
     _churn(kernel, 1)
     g.replay()
     torch.cuda.synchronize()
-    bk.check_last_error()
+    kernel.check_last_error()
     for r in range(R):
         assert torch.equal(got[0][r], ref[0][r]) and torch.equal(got[1][r], ref[1][r])
         for e in range(L):

@@ -60,15 +60,13 @@ def test_wgrad_kernel_matches_fp64(bk, counts, H, F, cap_extra):
     if sum(counts) + cap_extra == 0:
         pytest.skip("empty buffers")
     parts = [_buffers(counts, H, F, cap_extra, seed=3), _buffers(counts[::-1], H, F, cap_extra, seed=4)]
-    gw1, gw2 = bk.weight_grads_kernel(*[[p[i] for p in parts] for i in range(5)])
-    from megatron_mok import kernel
-
-    kernel.check_pending_errors(wait=True)  # the call's own error record (lazy)
-    for q, p in enumerate(parts):
+    for q, p in enumerate(parts):  # two owners' buffers, one launch each
+        gw1, gw2 = bk.weight_grads_kernel(*p)
+        torch.cuda.synchronize()
         w1, w2 = _expected(*p)
-        assert len(gw1[q]) == len(counts) and gw1[q][0].dtype == torch.float32
-        _close(gw1[q], w1, f"part {q} dW1")
-        _close(gw2[q], w2, f"part {q} dW2")
+        assert len(gw1) == len(counts) and gw1[0].dtype == torch.float32
+        _close(gw1, w1, f"part {q} dW1")
+        _close(gw2, w2, f"part {q} dW2")
 
 
 @pytest.mark.gpu
@@ -84,9 +82,9 @@ def test_wgrad_kernel_accumulates_into_main_grad(bk):
     before1 = [m.clone() for m in mg1]
     before2 = [m.clone() for m in mg2]
     pad1, pad2 = big1[:, :, H:].clone(), big2[:, :, F:].clone()
-    gw1, gw2 = bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], main_grad_w1=[mg1], main_grad_w2=[mg2])
+    gw1, gw2 = bk.weight_grads_kernel(tpe, xl, gyl, dh, act, main_grad_w1=mg1, main_grad_w2=mg2)
     torch.cuda.synchronize()
-    assert gw1[0][0].data_ptr() == mg1[0].data_ptr()
+    assert gw1[0].data_ptr() == mg1[0].data_ptr()
     w1, w2 = _expected(tpe, xl, gyl, dh, act)
     _close(mg1, [b + w for b, w in zip(before1, w1)], "main_grad dW1")
     _close(mg2, [b + w for b, w in zip(before2, w2)], "main_grad dW2")
@@ -95,52 +93,36 @@ def test_wgrad_kernel_accumulates_into_main_grad(bk):
 
 @pytest.mark.gpu
 def test_wgrad_kernel_rejects_counts_past_the_buffer(bk):
-    from megatron_mok.kernel.host.errors import MokKernelError
+    from megatron_mok.kernel import errors
+    from megatron_mok.kernel.errors import MokKernelError
 
     tpe, xl, gyl, dh, act = _buffers([100, 50], 256, 128, cap_extra=0, seed=6)
     tpe[1] = 10_000  # as if the dgrad launch had not finished: more rows than the buffers hold
     err = torch.zeros(16, dtype=torch.int32, device="cuda")
-    bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], err=err)
+    bk.weight_grads_kernel(tpe, xl, gyl, dh, act, err=err)
     torch.cuda.synchronize()
     code, part, expert, phase = err[:4].tolist()
     assert (code, part, expert, phase) == (4, 0, 1, 11), err.tolist()  # kErrBadShape, kPhaseWgrad
-    msg = bk._error_message(err.tolist(), 1, 2, 10000.0)
-    assert "wgrad" in msg, msg
-    # the backward's own check raises it (through the module's record, restored afterwards)
-    dev = torch.cuda.current_device()
-    old = bk._err_cache.get(dev)
-    bk._err_cache[dev] = err
-    try:
-        with pytest.raises(MokKernelError, match="wgrad"):
-            bk.check_last_error(torch.device("cuda"), R=1, L=2, timeout_ms=10000.0)
-    finally:
-        if old is None:
-            bk._err_cache.pop(dev)
-        else:
-            bk._err_cache[dev] = old
+    # read as every launch's record is read: the message names the wgrad
+    with pytest.raises(MokKernelError, match="wgrad"):
+        errors.after_launch(err, torch.cuda.current_stream(), True, errors.backward_message(1, 2, 10000.0))
 
 
 @pytest.mark.gpu
 def test_wgrad_kernel_bad_inputs_are_clear_errors(bk):
     tpe, xl, gyl, dh, act = _buffers([10], 256, 128, cap_extra=0, seed=7)
-    with pytest.raises(ValueError, match="act"):
-        bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act.float()])
+    with pytest.raises(ValueError, match=r"mok.wgrad: act must be BFloat16"):
+        bk.weight_grads_kernel(tpe, xl, gyl, dh, act.float())
     with pytest.raises(ValueError, match="give both main_grad_w1 and main_grad_w2"):
-        bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], main_grad_w1=[[torch.zeros(256, 256, device="cuda")]])
-    mg1 = [[torch.zeros(256, 256, device="cuda")]]  # dW1 is [2F, H] = [256, 256]: right
-    with pytest.raises(ValueError, match=r"main_grad_w2\[0\]\[0\] must have shape \(256, 128\)"):
+        bk.weight_grads_kernel(tpe, xl, gyl, dh, act, main_grad_w1=[torch.zeros(256, 256, device="cuda")])
+    mg1 = [torch.zeros(256, 256, device="cuda")]  # dW1 is [2F, H] = [256, 256]: right
+    with pytest.raises(ValueError, match=r"grad_w2\[0\] must be Float \[256, 128\]"):
         bk.weight_grads_kernel(
-            [tpe], [xl], [gyl], [dh], [act], main_grad_w1=mg1, main_grad_w2=[[torch.zeros(128, 256, device="cuda")]]
+            tpe, xl, gyl, dh, act, main_grad_w1=mg1, main_grad_w2=[torch.zeros(128, 256, device="cuda")]
         )
-    with pytest.raises(ValueError, match="main_grad_w2.*float32"):
+    with pytest.raises(ValueError, match=r"grad_w2\[0\] must be Float .*got BFloat16"):
         bk.weight_grads_kernel(
-            [tpe],
-            [xl],
-            [gyl],
-            [dh],
-            [act],
-            main_grad_w1=mg1,
-            main_grad_w2=[[torch.zeros(256, 128, device="cuda").bfloat16()]],
+            tpe, xl, gyl, dh, act, main_grad_w1=mg1, main_grad_w2=[torch.zeros(256, 128, device="cuda").bfloat16()]
         )
 
 
@@ -156,11 +138,11 @@ def test_wgrad_after_a_failed_dgrad_launch_poisons_every_output(bk, accumulate):
     kw = {}
     if accumulate:
         kw = dict(
-            main_grad_w1=[[torch.zeros(2 * F, H, device="cuda") for _ in counts]],
-            main_grad_w2=[[torch.zeros(H, F, device="cuda") for _ in counts]],
+            main_grad_w1=[torch.zeros(2 * F, H, device="cuda") for _ in counts],
+            main_grad_w2=[torch.zeros(H, F, device="cuda") for _ in counts],
         )
-    gw1, gw2 = bk.weight_grads_kernel([tpe], [xl], [gyl], [dh], [act], err=err, **kw)
+    gw1, gw2 = bk.weight_grads_kernel(tpe, xl, gyl, dh, act, err=err, **kw)
     torch.cuda.synchronize()
-    for g in (*gw1[0], *gw2[0]):
+    for g in (*gw1, *gw2):
         assert torch.isnan(g).all()
     assert err[0].item() == 1  # the cause stays recorded

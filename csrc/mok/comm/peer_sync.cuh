@@ -36,7 +36,7 @@ __device__ __forceinline__ void signal_peers(const Params& P, int self, int kind
 // One thread: wait until every peer's `kind` signal reached this call's epoch. On timeout records
 // {rank self, phase, expected epoch, seen, extra = the peer that did not arrive}. For start, also
 // checks that every peer runs the same token count (the schedule indexes its buffers by it).
-__device__ bool wait_peers(const Params& P, int self, int kind, int phase) {
+static __device__ bool wait_peers(const Params& P, int self, int kind, int phase) {
   const unsigned long long t0 = globaltimer_ns();
   const unsigned long long limit = P.timeout_ns;
   for (int r = 0; r < P.R; ++r) {

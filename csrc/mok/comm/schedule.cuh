@@ -54,7 +54,7 @@ __device__ __forceinline__ void read_entries_ahead(const RankTable& rt, int b0, 
 // chunk_counts (zeroed per launch) when its chunk is done. With many experts fewer warps per CTA count
 // (min(kWarps, cnt_ints / E): at least 6 for MOK_MAX_EXPERTS); which warp counts which chunk does not
 // change any result.
-__device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
+static __device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
   const int lane = threadIdx.x & 31;
   const int wpc = min(kWarps, cnt_ints / max(P.E, 1));  // counting warps per CTA
   const int wid = threadIdx.x >> 5;
@@ -127,7 +127,7 @@ __device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints) {
 }
 
 // Phase B
-__device__ void schedule_scan(const Params& P) {
+static __device__ void schedule_scan(const Params& P) {
   const int lane = threadIdx.x & 31;
   const int gwarp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int nwarps = gridDim.x * kWarps;
@@ -161,7 +161,7 @@ __device__ void schedule_scan(const Params& P) {
 }
 
 // Phase C. s_start: dynamic smem, >= E ints.
-__device__ void schedule_place(const Params& P, int* s_start) {
+static __device__ void schedule_place(const Params& P, int* s_start) {
   for (int e = threadIdx.x; e < P.E; e += blockDim.x) s_start[e] = P.expert_total[e];
   __syncthreads();
   if (threadIdx.x < P.R) {

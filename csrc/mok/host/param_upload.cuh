@@ -18,7 +18,7 @@ struct alignas(16) ParamChunk {
   uint8_t bytes[kParamChunkBytes];
 };
 
-__global__ void param_copy_kernel(const __grid_constant__ ParamChunk chunk, uint8_t* dst, int n) {
+static __global__ void param_copy_kernel(const __grid_constant__ ParamChunk chunk, uint8_t* dst, int n) {
   const int stride = gridDim.x * blockDim.x;
   const int nv = n / 16;  // dst is 16-byte aligned (the workspace), the chunk too
   const uint4* src = reinterpret_cast<const uint4*>(chunk.bytes);
