@@ -103,14 +103,24 @@ def backward_message(R: int, L: int, timeout_ms: float) -> Message:
 def new_record(device) -> torch.Tensor:
     """A launch's error record (int32[16], zero: no error), remembered for :func:`check_last_error`."""
     err = torch.zeros((16,), dtype=torch.int32, device=device)
-    _records.add(err)
+    _records[id(err)] = (weakref.ref(err), None)
     return err
 
 
-# every record made by new_record while its owner keeps it
-_records: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
-# the message of each record's last launch, for check_last_error
-_messages: weakref.WeakKeyDictionary[torch.Tensor, Message] = weakref.WeakKeyDictionary()
+# id(record) -> (weak reference to it, the message of its last launch): every record made by new_record while its
+# owner keeps it (keyed by id: tensors compare element-wise, so they cannot be dict keys or set members themselves)
+_records: dict[int, tuple[weakref.ref, Message | None]] = {}
+
+
+def _live_records() -> list[tuple[torch.Tensor, Message | None]]:
+    live = []
+    for key, (ref, message) in list(_records.items()):
+        err = ref()
+        if err is None:
+            del _records[key]
+        else:
+            live.append((err, message))
+    return live
 
 
 def capturing(device=None) -> bool:
@@ -147,7 +157,8 @@ def refuse_capture(who: str, why: str) -> None:
 
 def after_launch(err: torch.Tensor, stream, check, message: Message) -> None:
     """Read a launch's record as ``check`` says (module docstring)."""
-    _messages[err] = message
+    if id(err) in _records:
+        _records[id(err)] = (_records[id(err)][0], message)
     if check == "lazy":
         _lazy_checker(err.device.index).after_launch(err, stream, message)
     elif check:
@@ -227,10 +238,9 @@ def check_last_error(device=None) -> None:
     device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     dev = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.synchronize(dev)
-    for err in list(_records):
+    for err, message in _live_records():
         if err.device.index != dev:
             continue
         vals = err.cpu().tolist()
         if vals[0] != 0:
-            message = _messages.get(err)
             raise MokKernelError(message(vals) if message else f"MoK kernel error record {vals[:8]}")
