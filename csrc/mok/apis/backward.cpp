@@ -132,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   }
 
   const c10::cuda::CUDAGuard guard(dev);
+  load_kernels_once(dev.index());
   at::Tensor grad_x = at::empty({T, H}, x.options());
   at::Tensor grad_w = at::empty({T, K}, x.options().dtype(at::kFloat));
   at::Tensor tpe = at::empty({L}, x.options().dtype(at::kInt));
@@ -303,6 +304,7 @@ void wgrad(const at::Tensor& tokens_per_expert, const at::Tensor& xl, const at::
   }
 
   const c10::cuda::CUDAGuard guard(dev);
+  load_kernels_once(dev.index());
   mok_host::MokWgradArgs a{};
   a.np = 1;
   a.L = (int)L;

@@ -6,7 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "host/launch_args.h"
+
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -77,5 +80,18 @@ inline void check_launch(int rc, const char* op, const char* errbuf) {
 }
 
 constexpr int kErrLen = 1024;
+
+// Every MoK kernel loaded on `device` before the first launch there (once per device; host/launch_args.h says why).
+inline void load_kernels_once(int device) {
+  static std::mutex mu;
+  static bool loaded[256] = {false};
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0 || device >= 256 || loaded[device]) return;
+  char eb[kErrLen] = {0};
+  TORCH_CHECK(mok_host::load_forward_kernels(device, eb, kErrLen) == 0 &&
+                  mok_host::load_backward_kernels(device, eb, kErrLen) == 0,
+              "loading the MoK kernels failed: ", eb);
+  loaded[device] = true;
+}
 
 }  // namespace mok_api

@@ -19,6 +19,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_weight(const at::Tensor& w) {
   TORCH_CHECK_VALUE(N % 128 == 0 && K % 128 == 0 && N > 0 && K > 0, kOp, ": w ", describe(w),
                     " must be positive multiples of 128 in both dimensions");
   const c10::cuda::CUDAGuard guard(w.device());
+  load_kernels_once(w.device().index());
   at::Tensor q = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor s = at::empty({N / 128, K / 128}, w.options().dtype(at::kFloat));
   char eb[kErrLen] = {0};
@@ -65,6 +66,7 @@ void fp8_grouped_gemm(const at::Tensor& xq, const at::Tensor& xs, at::TensorList
   }
   TORCH_CHECK_VALUE(sum <= rows, kOp, ": counts sum to ", sum, " rows, x has ", rows);
   const c10::cuda::CUDAGuard guard(dev);
+  load_kernels_once(dev.index());
   const std::vector<long long> cnt(counts.begin(), counts.end());
   mok_host::MokFp8GemmArgs a{};
   a.L = (int)L;
@@ -103,6 +105,7 @@ std::tuple<at::Tensor, at::Tensor> mxfp8_quantize_rows(const at::Tensor& x, int6
   const int64_t nkb = H / 32;
   const int64_t sf_bytes = scale_layout == 0 ? M * nkb : ((M + 127) / 128) * ((nkb + 3) / 4) * 512;
   const c10::cuda::CUDAGuard guard(x.device());
+  load_kernels_once(x.device().index());
   at::Tensor q = at::empty({M, H}, x.options().dtype(at::kFloat8_e4m3fn));
   at::Tensor sf = scale_layout == 0 ? at::empty({M, nkb}, x.options().dtype(at::kByte))
                                     : at::zeros({sf_bytes}, x.options().dtype(at::kByte));

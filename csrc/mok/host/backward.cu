@@ -49,6 +49,12 @@ bool validate(const MokBwdArgs* a, char* eb, int el) {
   return true;
 }
 
+// The backward kernel's instances, indexed by (fp8) + 2 * (SwiGLU variant).
+using BackwardKernel = void (*)(mok::bwd::BwdParams);
+const BackwardKernel kBackwardKernels[4] = {
+    mok::bwd::mok_backward_kernel<false, false>, mok::bwd::mok_backward_kernel<true, false>,
+    mok::bwd::mok_backward_kernel<false, true>, mok::bwd::mok_backward_kernel<true, true>};
+
 // Rank partitions of one launch: this launch's own rank (as the forward's; EP 1 included).
 constexpr int launch_parts(const MokBwdArgs*) { return 1; }
 
@@ -91,6 +97,16 @@ BwdWs plan(const MokBwdArgs* a) {
 
 namespace mok_host {
 
+int load_backward_kernels(int device, char* errbuf, int errlen) {
+  const void* kernels[] = {reinterpret_cast<const void*>(kBackwardKernels[0]),
+                           reinterpret_cast<const void*>(kBackwardKernels[1]),
+                           reinterpret_cast<const void*>(kBackwardKernels[2]),
+                           reinterpret_cast<const void*>(kBackwardKernels[3]),
+                           reinterpret_cast<const void*>(mok::bwd::mok_wgrad_kernel),
+                           reinterpret_cast<const void*>(mok::param_copy_kernel)};
+  return load_kernels(device, kernels, sizeof(kernels) / sizeof(kernels[0]), errbuf, errlen);
+}
+
 long long backward_workspace_bytes(const MokBwdArgs* a, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return -1;
   return (long long)plan(a).total;
@@ -126,10 +142,7 @@ int backward_launch(const MokBwdArgs* a, cudaStream_t stream, char* errbuf, int 
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
   const int smem = std::max(mok::bwd::bwd_compute_smem_bytes(), ws.E * 4 + 64) + 1024;
   const int variant = (a->fp8 ? 1 : 0) + (a->glu ? 2 : 0);
-  using KernelFn = void (*)(mok::bwd::BwdParams);
-  static const KernelFn kernels[4] = {mok::bwd::mok_backward_kernel<false, false>, mok::bwd::mok_backward_kernel<true, false>,
-                                      mok::bwd::mok_backward_kernel<false, true>, mok::bwd::mok_backward_kernel<true, true>};
-  const KernelFn kernel = kernels[variant];
+  const BackwardKernel kernel = kBackwardKernels[variant];
   if (check_coresident(reinterpret_cast<const void*>(kernel), a->device, smem, np, grid, errbuf, errlen)) return 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);

@@ -5,6 +5,9 @@
 #include "host/host_launch.h"
 #include "host/launch_args.h"
 #include "host/persistent_launch.h"
+#include "gemm/fp8_gemm.cuh"
+#include "quant/fp8_weight_quant.cuh"
+#include "quant/mxfp8_quant.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -151,9 +154,32 @@ WsLayout plan(const MokLaunchArgs* a) {
 
 int smem_bytes(int E) { return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024; }
 
+// The forward kernel's instances, indexed by (fp8) + 2 * (SwiGLU variant) or + 4 (every feature): see forward_launch.
+using ForwardKernel = void (*)(const mok::Params);
+const ForwardKernel kForwardKernels[6] = {mok::mok_forward_kernel<false, 0>,
+                                          mok::mok_forward_kernel<true, 0>,
+                                          mok::mok_forward_kernel<false, mok::kFeatGlu>,
+                                          mok::mok_forward_kernel<true, mok::kFeatGlu>,
+                                          mok::mok_forward_kernel<false, mok::kFeatAll>,
+                                          mok::mok_forward_kernel<true, mok::kFeatAll>};
+
 }  // namespace
 
 namespace mok_host {
+
+int load_forward_kernels(int device, char* errbuf, int errlen) {
+  const void* kernels[] = {reinterpret_cast<const void*>(kForwardKernels[0]),
+                           reinterpret_cast<const void*>(kForwardKernels[1]),
+                           reinterpret_cast<const void*>(kForwardKernels[2]),
+                           reinterpret_cast<const void*>(kForwardKernels[3]),
+                           reinterpret_cast<const void*>(kForwardKernels[4]),
+                           reinterpret_cast<const void*>(kForwardKernels[5]),
+                           reinterpret_cast<const void*>(mok::fp8::mok_fp8_gemm_kernel),
+                           reinterpret_cast<const void*>(mok::mok_fp8_quantize_weight_kernel),
+                           reinterpret_cast<const void*>(mok::mok_mxfp8_quantize_rows_kernel),
+                           reinterpret_cast<const void*>(mok::param_copy_kernel)};
+  return load_kernels(device, kernels, sizeof(kernels) / sizeof(kernels[0]), errbuf, errlen);
+}
 
 long long forward_workspace_bytes(const MokLaunchArgs* a, char* errbuf, int errlen) {
   if (!validate(a, errbuf, errlen)) return -1;
@@ -187,14 +213,7 @@ int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, in
   // as a plain one), and every feature (kFeatAll) for the launches that need another one.
   const bool other_features = ws.B > 1 || (a->fp8 && fast_silu);
   const int v = (a->fp8 ? 1 : 0) + (other_features ? 4 : a->glu ? 2 : 0);
-  using KernelFn = void (*)(const mok::Params);
-  static const KernelFn kernels[6] = {mok::mok_forward_kernel<false, 0>,
-                                      mok::mok_forward_kernel<true, 0>,
-                                      mok::mok_forward_kernel<false, mok::kFeatGlu>,
-                                      mok::mok_forward_kernel<true, mok::kFeatGlu>,
-                                      mok::mok_forward_kernel<false, mok::kFeatAll>,
-                                      mok::mok_forward_kernel<true, mok::kFeatAll>};
-  const KernelFn kernel = kernels[v];
+  const ForwardKernel kernel = kForwardKernels[v];
   if (check_coresident(reinterpret_cast<const void*>(kernel), a->device, smem, np, grid, errbuf, errlen)) return 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);

@@ -203,6 +203,11 @@ struct MokFp8GemmArgs {
   double timeout_ms;
 };
 
+// Every kernel of the forward / backward library loaded on `device` (lazy loading at a first launch can deadlock
+// launches that wait for each other: host/persistent_launch.h, load_kernels). Called once per device before any launch.
+int load_forward_kernels(int device, char* errbuf, int errlen);
+int load_backward_kernels(int device, char* errbuf, int errlen);
+
 long long forward_workspace_bytes(const MokLaunchArgs* a, char* errbuf, int errlen);
 int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, int errlen);
 long long backward_workspace_bytes(const MokBwdArgs* a, char* errbuf, int errlen);

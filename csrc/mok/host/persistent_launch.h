@@ -14,6 +14,19 @@
 
 namespace mok_host {
 
+// Loads `n` kernels on `device` now (cudaFuncGetAttributes loads a function). With CUDA's lazy loading a kernel
+// would be loaded at its first launch, and loading waits for the kernels running on the device: a deadlock when those
+// wait for a launch that comes after it (EP ranks sharing a GPU: rank 0's wgrad launch, queued behind its backward
+// launch, was loaded while that backward waited for rank 1's, which was launched next).
+inline int load_kernels(int device, const void* const* kernels, size_t n, char* errbuf, int errlen) {
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  for (size_t i = 0; i < n; ++i) {
+    cudaFuncAttributes attr;
+    MOK_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernels[i]));
+  }
+  return 0;
+}
+
 // The grid of one launch: the device's SMs, and CTAs per rank partition (ctas_per_rank, or an even split of the
 // SMs when 0). Refuses a split that leaves no compute SM.
 struct PersistentGrid {
