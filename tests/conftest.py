@@ -10,6 +10,10 @@ import pytest
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 warnings.filterwarnings("ignore", message=".*absl.*")
 sys.path.insert(0, os.path.dirname(__file__))
+# The GPU tests run several EP ranks' launches on one GPU from one thread (tests/gpu/emulated.py): a rank's kernel
+# waits for the next rank's launch, and CUDA's lazy loading of a kernel first used in between (a torch kernel that
+# prepares the next rank's inputs) waits for the running kernels -- a deadlock until the timeout. Load eagerly.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def pytest_configure(config: pytest.Config) -> None:

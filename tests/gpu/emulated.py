@@ -131,10 +131,11 @@ def mok_forward_emulated(
     bufs, streams = _ranks(R, T, H, K, device, fp8 is not None)
     ctas = ctas_per_rank or (0 if R == 1 else torch.cuda.get_device_properties(device).multi_processor_count // R)
     keeps = _parts(keep, R)
+    xp, ip, wp = ([_pad(t, T, v) for t in ts] for ts, v in ((x, 0.0), (topk_idx, -1), (topk_weight, 0.0)))
 
     def launch(q: int):
         return mok_forward(
-            bufs[q], _pad(x[q], T, 0.0), _pad(topk_idx[q], T, -1), _pad(topk_weight[q], T, 0.0), w1[q], w2[q],
+            bufs[q], xp[q], ip[q], wp[q], w1[q], w2[q],
             comm_sms=comm_sms, ring_slots=ring_slots, minibatch_tokens=minibatch_tokens, timeout_ms=timeout_ms,
             ctas=ctas, check=False, timeline=timeline, saved_h=None if saved_h is None else saved_h[q],
             fp8=_rank_fp8(fp8, q), keep=keeps[q], glu=glu, tuning=tuning, debug_stall=debug_stall,
@@ -187,11 +188,14 @@ def mok_backward_emulated(
     ctas = ctas_per_rank or (0 if R == 1 else torch.cuda.get_device_properties(device).multi_processor_count // R)
     kepts = _parts(kept, R)
     cap = max(1, sum(Ts) * K)
+    gp, xp, ip, wp, cp = (
+        [_pad(t, T, v) for t in ts]
+        for ts, v in ((grad_out, 0.0), (x, 0.0), (topk_idx, -1), (topk_weight, 0.0), (combine_buf, 0.0))
+    )
 
     def launch(q: int):
         return mok_backward(
-            bufs[q], _pad(grad_out[q], T, 0.0), _pad(x[q], T, 0.0), _pad(topk_idx[q], T, -1),
-            _pad(topk_weight[q], T, 0.0), _pad(combine_buf[q], T, 0.0), w1[q], w2[q], comm_sms=comm_sms,
+            bufs[q], gp[q], xp[q], ip[q], wp[q], cp[q], w1[q], w2[q], comm_sms=comm_sms,
             ring_slots=ring_slots, minibatch_tokens=minibatch_tokens, timeout_ms=timeout_ms, wgrad=wgrad,
             main_grad_w1=None if main_grad_w1 is None else main_grad_w1[q],
             main_grad_w2=None if main_grad_w2 is None else main_grad_w2[q],
