@@ -254,6 +254,9 @@ def mok_backward(
             if H != reg.hidden or K != reg.topk or T > reg.tokens_cap:
                 _fail(f"x / topk_idx [{T}, {H}] / [{T}, {K}] do not fit the peer buffers (H={reg.hidden}, K={reg.topk}, "
                       f"{reg.tokens_cap} tokens)")  # fmt: skip
+            for name, t, shape in (("grad_out", grad_out, (T, H)), ("topk_weight", topk_weight, (T, K))):
+                if tuple(t.shape) != shape:  # checked before it is published into the region
+                    _fail(f"{name} must be {list(shape)}, got {list(t.shape)}")
             # the backward receives gradients in the combine bytes: keep the forward's rows apart first
             lo, hi = bufs.grad_buf.data_ptr(), bufs.grad_buf.data_ptr() + bufs.grad_buf.numel() * 2
             if lo <= combine_buf.data_ptr() < hi:
@@ -276,9 +279,9 @@ def mok_backward(
         gyl = torch.empty((cap, H), **bf)
         dh = torch.empty((cap, 2 * F), **bf)
         w2t = [w.t().contiguous() for w in w2] if saved_h is None else []  # recompute path only
-        f8w = [*fp8.w2tq[0], *fp8.w2ts[0], *fp8.w1tq[0], *fp8.w1ts[0]] if fp8 is not None else []
         if fp8 is not None and fp8.w1tq is None:
             _fail("the FP8 dgrad needs the weights' transposed copies (Fp8ExpertWeights.with_transposes())")
+        f8w = [*fp8.w2tq[0], *fp8.w2ts[0], *fp8.w1tq[0], *fp8.w1ts[0]] if fp8 is not None else []
         f8b = _fp8_buffers(cap, H, F, device) if fp8 is not None else []
         tl = tc = None
         if timeline is not None:

@@ -61,6 +61,13 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
     return f"{kernel} internal error: code {code} rank {rank} phase {pname} expected {expected} seen {seen}"
 
 
+def root_cause(records: list[list[int]]) -> list[int]:
+    """Of several launches' error records, the one that names the cause: a failure of its own (a stalled slot, a bad
+    index, a full buffer) before a rank's wait for a peer that failed."""
+    own = [r for r in records if not (r[0] == 1 and r[3] in PEER_SIGNAL_PHASES)]
+    return (own or records)[0]
+
+
 FORWARD_PHASES = {
     1: "grid barrier (schedule)",
     2: "dispatch-ready (compute waits for the pull dispatch of the slot)",
@@ -198,7 +205,7 @@ class _LazyErrorChecker:
 
     def poll(self, wait: bool = False) -> None:
         still = []
-        error = None
+        found = []  # (record, message) of finished launches that failed
         for slot, ev, message in self.pending:
             if wait:
                 ev.synchronize()
@@ -206,11 +213,12 @@ class _LazyErrorChecker:
                 still.append((slot, ev, message))
                 continue
             vals = self.host[slot].tolist()
-            if vals[0] != 0 and error is None:
-                error = message(vals)
+            if vals[0] != 0:
+                found.append((vals, message))
         self.pending = still
-        if error is not None:
-            raise MokKernelError(error)
+        if found:
+            cause = root_cause([v for v, _ in found])
+            raise MokKernelError(next(m for v, m in found if v is cause)(cause))
 
     def drain(self) -> None:
         self.poll(wait=True)

@@ -11,6 +11,7 @@ import torch
 from ..activation import Glu
 from . import errors, ops
 from .comm import PeerBuffers
+from .quant import Fp8ExpertWeights
 from .tuning import ForwardTuning, glu_args
 
 
@@ -98,6 +99,8 @@ def mok_forward(
         _fail(f"x must be a [tokens, hidden] tensor, got {getattr(x, 'shape', type(x).__name__)}")
     if not isinstance(w1, (list, tuple)) or not isinstance(w2, (list, tuple)) or not w1 or len(w1) != len(w2):
         _fail("w1 and w2 must be non-empty lists of this rank's expert weights, one per expert")
+    if fp8 is not None and not isinstance(fp8, Fp8ExpertWeights):
+        _fail(f"fp8 must be an Fp8ExpertWeights (megatron_mok.kernel.quant), got {type(fp8).__name__}")
     if keep is not None and keep.minibatch != minibatch_tokens:
         _fail(f"kept rows were allocated for minibatch {keep.minibatch}, this launch uses {minibatch_tokens}")
     T, H = x.shape
@@ -116,6 +119,8 @@ def mok_forward(
                 )
             if T > reg.tokens_cap:
                 _fail(f"{T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}: rebuild PeerBuffers larger")
+            if tuple(topk_idx.shape) != (T, K):  # checked before it is published into the region
+                _fail(f"topk_idx must be [{T}, {K}], got {list(topk_idx.shape)}")
             # publish this call's inputs where peers read them (skipped when the caller wrote them there)
             if x.data_ptr() != bufs.x.data_ptr():
                 bufs.x[:T].copy_(x)

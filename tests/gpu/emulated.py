@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mok.kernel import KeptRows, PeerBuffers, errors, mok_backward, mok_forward
+from megatron_mok.kernel.backward import weight_grads
 from megatron_mok.kernel.quant import Fp8ExpertWeights
 
 
@@ -42,9 +43,9 @@ def _parts(kept, R: int) -> list:
     return [kept] * R
 
 
-def _rank_fp8(fp8: Fp8ExpertWeights | None, q: int) -> Fp8ExpertWeights | None:
-    if fp8 is None:
-        return None
+def _rank_fp8(fp8, q: int):
+    if not isinstance(fp8, Fp8ExpertWeights):  # None, or what the launch is to refuse
+        return fp8
     pick = lambda lst: None if lst is None else [lst[q]]  # noqa: E731
     return Fp8ExpertWeights(
         pick(fp8.w1q), pick(fp8.w1s), pick(fp8.w2q), pick(fp8.w2s),
@@ -93,9 +94,20 @@ def _run_ranks(streams, launch, R: int):
 
 
 def _check(bufs, streams, check, message, backward: bool) -> None:
+    """Read every rank's record as ``check`` says; synchronously, the root cause is raised (a rank's own failure
+    rather than its peers' waits for it), as the lazy reader does."""
     check = errors.capture_check(check, "emulated launch")
-    for b, s in zip(bufs, streams):
-        errors.after_launch(b.bwd_err if backward else b.err, s, check, message)
+    records = [b.bwd_err if backward else b.err for b in bufs]
+    if check and check != "lazy":
+        for s in streams:
+            s.synchronize()
+        found = [r.cpu().tolist() for r in records]
+        found = [v for v in found if v[0] != 0]
+        if found:
+            raise errors.MokKernelError(message(errors.root_cause(found)))
+        return
+    for err, s in zip(records, streams):
+        errors.after_launch(err, s, check, message)
 
 
 def mok_forward_emulated(
@@ -188,6 +200,9 @@ def mok_backward_emulated(
     ctas = ctas_per_rank or (0 if R == 1 else torch.cuda.get_device_properties(device).multi_processor_count // R)
     kepts = _parts(kept, R)
     cap = max(1, sum(Ts) * K)
+    # torch's weight gradients read the row counts on the host: after every rank has launched (its kernel waits
+    # for the later ranks)
+    host_wgrad = wgrad in ("mm", "grouped") and R > 1
     gp, xp, ip, wp, cp = (
         [_pad(t, T, v) for t in ts]
         for ts, v in ((grad_out, 0.0), (x, 0.0), (topk_idx, -1), (topk_weight, 0.0), (combine_buf, 0.0))
@@ -196,11 +211,12 @@ def mok_backward_emulated(
     def launch(q: int):
         return mok_backward(
             bufs[q], gp[q], xp[q], ip[q], wp[q], cp[q], w1[q], w2[q], comm_sms=comm_sms,
-            ring_slots=ring_slots, minibatch_tokens=minibatch_tokens, timeout_ms=timeout_ms, wgrad=wgrad,
+            ring_slots=ring_slots, minibatch_tokens=minibatch_tokens, timeout_ms=timeout_ms,
+            wgrad="none" if host_wgrad else wgrad,
             main_grad_w1=None if main_grad_w1 is None else main_grad_w1[q],
             main_grad_w2=None if main_grad_w2 is None else main_grad_w2[q],
             saved_h=None if saved_h is None else saved_h[q], owner_rows=cap, ctas=ctas, kept=kepts[q], check=False,
-            timeline=timeline, return_buffers=return_buffers, fp8=_rank_fp8(fp8, q), glu=glu,
+            timeline=timeline, return_buffers=return_buffers or host_wgrad, fp8=_rank_fp8(fp8, q), glu=glu,
             debug_stall=debug_stall,
         )  # fmt: skip
 
@@ -208,6 +224,14 @@ def mok_backward_emulated(
     _check(bufs, streams, check, errors.backward_message(R, len(w1[0]), timeout_ms), backward=True)
     gx = [o[0][: Ts[r]] for r, o in enumerate(outs)]
     gw = [o[1][: Ts[r]] for r, o in enumerate(outs)]
+    if host_wgrad:
+        mg1, mg2 = main_grad_w1 or [None] * R, main_grad_w2 or [None] * R
+        grads = [
+            weight_grads(*(o[4][n] for n in ("tpe", "xl", "gyl", "dh", "act")), mode=wgrad, main_grad_w1=mg1[q],
+                         main_grad_w2=mg2[q])
+            for q, o in enumerate(outs)
+        ]  # fmt: skip
+        outs = [(*o[:2], *g, *o[4:]) for o, g in zip(outs, grads)]
     gw1 = None if wgrad == "none" else [o[2] for o in outs]
     gw2 = None if wgrad == "none" else [o[3] for o in outs]
     if return_buffers:

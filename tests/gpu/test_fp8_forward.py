@@ -161,7 +161,7 @@ def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
     o1, c1, _ = mok_forward_emulated(x, idx, wts, z1, z2, **kw)
     for r in range(2):
         assert torch.equal(o0[r], o1[r]) and torch.equal(c0[r], c1[r])
-    with pytest.raises(ValueError, match=r"w1\[1\] and w2\[1\] must each hold 2 expert weights"):
+    with pytest.raises(ValueError, match="w1 and w2 must be non-empty lists"):
         mok_forward_emulated(x, idx, wts, w1, [w2[0], w2[1][:1]], **kw)
 
 
@@ -203,7 +203,7 @@ def test_fp8_bad_inputs_are_clear_errors(kernel):
     kw = dict(comm_sms=1, ring_slots=2, minibatch_tokens=64)
     bad = quantize_expert_weights(w1, w2)
     bad.w1s[0][1] = bad.w1s[0][1][:1].contiguous()
-    with pytest.raises(ValueError, match=r"w1s\[0\]\[1\]"):
+    with pytest.raises(ValueError, match=r"w1_scale\[1\] must be Float \[4, 2\]"):
         mok_forward_emulated(x, idx, wts, w1, w2, fp8=bad, **kw)
     with pytest.raises(ValueError, match="Fp8ExpertWeights"):
         mok_forward_emulated(x, idx, wts, w1, w2, fp8=(q8.w1q, q8.w1s), **kw)

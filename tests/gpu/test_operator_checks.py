@@ -78,7 +78,9 @@ def test_tensor_arguments_are_named(kernel):
     bad_w1 = [torch.zeros((2 * F, H), device=dev).bfloat16() for _ in range(L)]
     bad_w1[2] = bad_w1[2].float()
     _refused(lambda: _forward(w1=bad_w1), "mok.forward", "w1[2]", "BFloat16", "Float")
-    _refused(lambda: _forward(w2=[w.t() for w in _forward_args()["w1"]]), "mok.forward", "w2[0]", f"[{H}, {F}]")
+    bad_w2 = list(_forward_args()["w2"])
+    bad_w2[1] = bad_w2[1][:, : F // 2]
+    _refused(lambda: _forward(w2=bad_w2), "mok.forward", "w2[1]", f"[{H}, {F}]", f"[{H}, {F // 2}]")
     x = torch.zeros((H, T), device=dev).bfloat16().t()
     _refused(lambda: _forward(x=x), "mok.forward", "x must be contiguous")
     _refused(lambda: _forward(topk_idx=torch.zeros((T, K), dtype=torch.int64, device=dev)), "topk_idx", "Int", "Long")

@@ -41,7 +41,7 @@ def test_mxfp8_grouped_gemm_matches_the_recipe(rows):
 
 @pytest.mark.skipif(_blackwell(), reason="this is a Blackwell GPU")
 def test_sm100_unit_refuses_other_gpus_clearly():
-    from megatron_mok.kernel.host.errors import MokKernelError
+    from megatron_mok.kernel.errors import MokKernelError
     from megatron_mok.kernel.sm100 import mxfp8_grouped_gemm
 
     a = torch.zeros((128, 128), dtype=torch.float8_e4m3fn, device="cuda")

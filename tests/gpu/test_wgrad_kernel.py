@@ -111,7 +111,7 @@ def test_wgrad_kernel_rejects_counts_past_the_buffer(bk):
 @pytest.mark.gpu
 def test_wgrad_kernel_bad_inputs_are_clear_errors(bk):
     tpe, xl, gyl, dh, act = _buffers([10], 256, 128, cap_extra=0, seed=7)
-    with pytest.raises(ValueError, match=r"mok.wgrad: act must be BFloat16"):
+    with pytest.raises(ValueError, match=r"mok.wgrad: act must be a 2-D BFloat16 tensor"):
         bk.weight_grads_kernel(tpe, xl, gyl, dh, act.float())
     with pytest.raises(ValueError, match="give both main_grad_w1 and main_grad_w2"):
         bk.weight_grads_kernel(tpe, xl, gyl, dh, act, main_grad_w1=[torch.zeros(256, 256, device="cuda")])
