@@ -251,9 +251,12 @@ def mok_backward(
         combine_buf = combine_buf.contiguous()
         if world > 1:
             reg = bufs.region
-            if H != reg.hidden or K != reg.topk or T > reg.tokens_cap:
-                _fail(f"x / topk_idx [{T}, {H}] / [{T}, {K}] do not fit the peer buffers (H={reg.hidden}, K={reg.topk}, "
-                      f"{reg.tokens_cap} tokens)")  # fmt: skip
+            if H != reg.hidden or K != reg.topk:
+                _fail(
+                    f"x / topk_idx are [{T}, {H}] / [{T}, {K}], the peer buffers were built for H={reg.hidden}, K={reg.topk}"
+                )
+            if T > reg.tokens_cap:
+                _fail(f"{T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}: rebuild PeerBuffers larger")
             for name, t, shape in (("grad_out", grad_out, (T, H)), ("topk_weight", topk_weight, (T, K))):
                 if tuple(t.shape) != shape:  # checked before it is published into the region
                     _fail(f"{name} must be {list(shape)}, got {list(t.shape)}")

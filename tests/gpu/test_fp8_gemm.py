@@ -66,7 +66,7 @@ def test_fp8_grouped_gemm_bad_inputs_are_clear_errors(f8):
         f8.fp8_grouped_gemm(xq.float(), xs, wq, wsc, [64])
     with pytest.raises(ValueError, match="xs must be"):
         f8.fp8_grouped_gemm(xq, xs[:, :1].contiguous(), wq, wsc, [64])
-    with pytest.raises(ValueError, match="sum to at most"):
+    with pytest.raises(ValueError, match="counts sum to 65 rows, x has 64"):
         f8.fp8_grouped_gemm(xq, xs, wq, wsc, [65])
     with pytest.raises(ValueError, match="one entry per expert"):
         f8.fp8_grouped_gemm(xq, xs, wq, wsc, [32, 32])

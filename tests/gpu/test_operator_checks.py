@@ -96,10 +96,10 @@ def test_launcher_refusals_name_the_config_key(kernel):
     _refused(lambda: _forward(glu=1, glu_clamp=0.0), "glu_clamp must be > 0")
 
 
-def test_grid_refusals_are_runtime_errors(kernel):
+def test_sm_split_is_checked(kernel):
     n = torch.cuda.get_device_properties(0).multi_processor_count
-    with pytest.raises(RuntimeError, match="leaves no compute SM"):
-        _forward(comm_sms=n)
+    _refused(lambda: _forward(comm_sms=n), f"comm_sms={n} leaves no compute SM: the launch runs on {n} SMs")
+    _refused(lambda: _forward(comm_sms=8, ctas=8), "comm_sms=8 leaves no compute SM: the launch runs on 8 SMs")
 
 
 def test_fp8_at_ep2_needs_the_source_copies(kernel):

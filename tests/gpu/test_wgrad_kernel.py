@@ -120,7 +120,7 @@ def test_wgrad_kernel_bad_inputs_are_clear_errors(bk):
         bk.weight_grads_kernel(
             tpe, xl, gyl, dh, act, main_grad_w1=mg1, main_grad_w2=[torch.zeros(128, 256, device="cuda")]
         )
-    with pytest.raises(ValueError, match=r"grad_w2\[0\] must be Float .*got BFloat16"):
+    with pytest.raises(ValueError, match=r"grad_w2\[0\] must be a 2-D Float tensor .*got BFloat16"):
         bk.weight_grads_kernel(
             tpe, xl, gyl, dh, act, main_grad_w1=mg1, main_grad_w2=[torch.zeros(256, 128, device="cuda").bfloat16()]
         )

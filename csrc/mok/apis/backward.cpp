@@ -133,6 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
 
   const c10::cuda::CUDAGuard guard(dev);
   load_kernels_once(dev.index());
+  check_sm_split(kBwd, dev.index(), comm_sms, ctas);
   at::Tensor grad_x = at::empty({T, H}, x.options());
   at::Tensor grad_w = at::empty({T, K}, x.options().dtype(at::kFloat));
   at::Tensor tpe = at::empty({L}, x.options().dtype(at::kInt));

@@ -81,6 +81,16 @@ inline void check_launch(int rc, const char* op, const char* errbuf) {
 
 constexpr int kErrLen = 1024;
 
+// The launch's SMs (ctas, or every SM of the device for 0) leave at least one compute SM beside comm_sms.
+inline void check_sm_split(const char* op, int device, int64_t comm_sms, int64_t ctas) {
+  int sms = 0;
+  TORCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess, op,
+              ": cannot query the SM count of device ", device);
+  const int64_t cpr = ctas > 0 ? ctas : sms;
+  TORCH_CHECK_VALUE(comm_sms < cpr, op, ": comm_sms=", comm_sms, " leaves no compute SM: the launch runs on ", cpr,
+                    " SMs");
+}
+
 // Every MoK kernel loaded on `device` before the first launch there (once per device; host/launch_args.h says why).
 inline void load_kernels_once(int device) {
   static std::mutex mu;

@@ -117,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor> forward(
 
   const c10::cuda::CUDAGuard guard(dev);
   load_kernels_once(dev.index());
+  check_sm_split(kOp, dev.index(), comm_sms, ctas);
   at::Tensor out = at::empty({T, H}, x.options());
   at::Tensor tpe = at::empty({L}, x.options().dtype(at::kInt));
 
