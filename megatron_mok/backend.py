@@ -34,12 +34,18 @@ def kernel_unavailable_reason(
     world_size: int = 1,
     dtype: str = "bf16",
     tensor_dtype: torch.dtype | None = None,
+    hidden: int | None = None,
+    ffn: int | None = None,
 ) -> str | None:
     """None when the kernel can run this call, else why not."""
     if device is not None and device.type != "cuda":
         return f"tensors are on {device.type}, the kernel needs CUDA"
     if tensor_dtype is not None and tensor_dtype != torch.bfloat16:
         return f"activations are {tensor_dtype}, the kernel runs bf16"
+    tile = 128 if dtype == "fp8" else 64  # the kernels' column tiles (fp8: also the 128 x 128 scale blocks)
+    for name, size in (("hidden", hidden), ("ffn", ffn)):
+        if size is not None and size % tile:
+            return f"{name} size {size} is not a multiple of {tile} ({dtype} kernel tiles)"
     try:
         from . import kernel
     except Exception as exc:  # noqa: BLE001 - any import failure means "no kernel"
@@ -112,8 +118,11 @@ def select_backend(
     owner_capacity_factor: float = 0.0,
     backward_minibatch_tokens: int = 0,
     tuning=None,
+    hidden: int | None = None,
+    ffn: int | None = None,
 ):
-    """The backend of one layer call; ``tuning``: the config's ``kernel.tuning.ForwardTuning`` (None: defaults)."""
+    """The backend of one layer call (``hidden`` / ``ffn``: the expert sizes, which the kernel's tiles must divide);
+    ``tuning``: the config's ``kernel.tuning.ForwardTuning`` (None: defaults)."""
     want = requested_backend()
     if dtype != "bf16":
         # only the kernel has the FP8 recipe: a reference (bf16 / fp32) run instead would silently change
@@ -121,7 +130,7 @@ def select_backend(
         reason = (
             "MOK_BACKEND=reference"
             if want == "reference"
-            else kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
+            else kernel_unavailable_reason(device, world_size, dtype, tensor_dtype, hidden, ffn)
         )
         if reason is not None:
             raise MokBackendError(
@@ -133,7 +142,7 @@ def select_backend(
         )
     if want == "reference":
         return ReferenceBackend()
-    reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype)
+    reason = kernel_unavailable_reason(device, world_size, dtype, tensor_dtype, hidden, ffn)
     if reason is None:
         return kernel_backend(
             comm_sms, timeout_ms, backward_comm_sms, owner_capacity_factor, "bf16", backward_minibatch_tokens, tuning
@@ -141,7 +150,7 @@ def select_backend(
     if want == "kernel":
         raise MokBackendError(f"MOK_BACKEND=kernel but the MoK kernel cannot run: {reason}")
     logger.debug("MoK: reference backend (%s)", reason)
-    return ReferenceBackend()
+    return ReferenceBackend(reason)
 
 
 def describe_backend() -> str:

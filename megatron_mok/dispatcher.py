@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .activation import PLAIN, Glu
 from .backend import select_backend
+from .compat import check_megatron_settings
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
 from .function import mok_moe
@@ -55,6 +56,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         config: Any,
         pg_collection: Any = None,
     ) -> None:
+        check_megatron_settings(config)
         super().__init__(config=config, pg_collection=pg_collection)
         if self.tp_size != 1:
             raise ValueError(
@@ -176,6 +178,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             self.transport.world_size,
             k.dtype,
             hidden_states.dtype,
+            hidden=w2[0].shape[0],
+            ffn=w2[0].shape[1],
             comm_sms=k.comm_sms,
             timeout_ms=k.timeout_ms,
             backward_comm_sms=k.bwd_comm_sms,
@@ -186,7 +190,13 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan
         if backend.name != self.last_backend:  # once per layer and backend change: which path trains
-            logger.info("MoK layer: %s backend (EP %d, %s)", backend.name, self.transport.world_size, k.dtype)
+            reason = getattr(backend, "reason", None)
+            # a GPU run on the reference is worth a warning (the kernel was expected); on CPU it is the only one
+            log = logger.warning if hidden_states.is_cuda and reason is not None else logger.info
+            log(
+                "MoK layer: %s backend (EP %d, %s)%s", backend.name, self.transport.world_size, k.dtype,
+                f": {reason}" if reason else "",
+            )  # fmt: skip
             warning = self.mok_config.kernel_warning() if backend.name == "kernel" else None
             if warning is not None:
                 logger.warning("MoK: %s", warning)

@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from .activation import Glu
+from .compat import fused_path_refusal
 from .dispatcher import MoKTokenDispatcher
 from .experts import fused_expert_activation
 
@@ -89,6 +90,8 @@ class MokMoELayer(MoELayer):
         """Fused (with the SwiGLU variant Megatron's experts compute) or Megatron's experts, from the config
         as it is now; logged when it is decided or changes."""
         path = fused_expert_activation(self.config, self.experts)
+        if isinstance(path, Glu) and (reason := fused_path_refusal(self.config)) is not None:
+            raise ValueError(reason)
         if path != self._expert_path:
             if isinstance(path, str):
                 logger.warning(

@@ -376,6 +376,10 @@ class ReferenceBackend:
 
     name = "reference"
 
+    def __init__(self, reason: str | None = None) -> None:
+        #: why the layer runs the reference rather than the kernel (None: asked for directly)
+        self.reason = reason
+
     def forward(self, plan: MokPlan, x, topk_idx, topk_w, w1, w2) -> tuple[torch.Tensor, ReferenceState]:
         return mok_forward(plan, x, topk_idx, topk_w, w1, w2)
 
