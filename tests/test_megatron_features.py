@@ -1,6 +1,6 @@
 """CPU, gloo, EP 1 and 2: Megatron MoE features a user turns on give the same outputs and every gradient through a
 ``mok`` layer as through Megatron's own ``alltoall`` dispatcher (same spec, same weights, Megatron's own router):
-token dropping, router losses, the aux-loss-free expert bias, group-limited routing, shared experts, and the experts
+token dropping, router losses, the aux-loss-free expert bias, group-limited routing, shared experts (gated too), and the experts
 MoK hands to Megatron (GeGLU, ReLU). Biased SequentialMLP experts fail in Megatron-Core 0.19 itself on this path
 (an in-place add on a view of its TP-1 reduction, with ``alltoall`` too), so they are not in the matrix.
 Refusals: tests/test_megatron_settings.py."""
@@ -26,6 +26,7 @@ FEATURES = {
     "group_limited": dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_score_function="sigmoid"),
     "topk_scaling": dict(moe_router_topk_scaling_factor=2.5),
     "shared_experts": dict(moe_shared_expert_intermediate_size=64),
+    "shared_experts_gated": dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_gate=True),
     "geglu_unfused": dict(activation_func=F.gelu),
     "relu_unfused": dict(swiglu=False, activation_func=F.relu),
 }
