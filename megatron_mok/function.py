@@ -2,7 +2,8 @@
 
 A backend (the PyTorch reference, ``reference.ReferenceBackend``, or the CUDA megakernels,
 ``kernel_backend.KernelBackend``) implements :class:`MokBackend`: ``forward`` returns the layer output and a state
-of its own type, ``backward`` takes that state back. The node saves the expert weights, hands Megatron's
+of its own type (a dataclass registered as a pytree node, so its tensors are saved for the backward as autograd
+saves tensors), ``backward`` takes that state back. The node saves the expert weights, hands Megatron's
 ``main_grad`` to a backend whose wgrad can add into it (gradient-accumulation fusion), and returns what autograd
 expects for every input.
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .plan import MokPlan
 
@@ -47,26 +49,32 @@ class MokMoEFunction(torch.autograd.Function):
     def forward(ctx, x, topk_idx, topk_w, plan: MokPlan, backend, num_w1: int, *weights):  # type: ignore[override]
         w1, w2 = list(weights[:num_w1]), list(weights[num_w1:])
         out, state = backend.forward(plan, x, topk_idx, topk_w, w1, w2)
-        ctx.plan, ctx.backend, ctx.num_w1, ctx.state = plan, backend, num_w1, state
-        ctx.save_for_backward(*weights)
+        # the state's tensors are saved as autograd saves tensors (torch.compile traces them so), the rest of it
+        # (its structure and constants) stays on the context
+        leaves, ctx.state_spec = pytree.tree_flatten(state)
+        ctx.state_consts = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        ctx.save_for_backward(*weights, *[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)])
+        ctx.plan, ctx.backend, ctx.num_w1, ctx.num_weights = plan, backend, num_w1, len(weights)
         ctx.params = weights  # the Parameter objects: main_grad lives on them
         ctx.topk_w_dtype = topk_w.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        weights = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        weights, tensors = saved[: ctx.num_weights], iter(saved[ctx.num_weights :])
+        leaves = [next(tensors) if c is None else c for c in ctx.state_consts]
+        state = pytree.tree_unflatten(leaves, ctx.state_spec)
         w1, w2 = list(weights[: ctx.num_w1]), list(weights[ctx.num_w1 :])
         fuse = ctx.plan.fuse_wgrad_into_main_grad
         mains = [getattr(p, "main_grad", None) for p in ctx.params] if fuse else []
         in_kernel = fuse and ctx.backend.can_accumulate_main_grad(mains)
         if in_kernel:  # the backend's wgrad adds straight into main_grad (no fp32 temporaries, no add pass)
             gx, gw, gw1, gw2 = ctx.backend.backward(
-                ctx.plan, ctx.state, grad_out, w1, w2, main_grads=(mains[: ctx.num_w1], mains[ctx.num_w1 :])
+                ctx.plan, state, grad_out, w1, w2, main_grads=(mains[: ctx.num_w1], mains[ctx.num_w1 :])
             )
         else:
-            gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, ctx.state, grad_out, w1, w2)
-        ctx.state = None
+            gx, gw, gw1, gw2 = ctx.backend.backward(ctx.plan, state, grad_out, w1, w2)
         wgrads = [weight_grad_for_autograd(p, g, fuse, added=in_kernel) for p, g in zip(ctx.params, [*gw1, *gw2])]
         ctx.params = None
         return (gx, None, gw.to(ctx.topk_w_dtype), None, None, None, *wgrads)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import env
 from .plan import MokPlan
@@ -32,11 +33,14 @@ class KernelState:
 
     x: torch.Tensor
     topk_idx: torch.Tensor
-    topk_w: torch.Tensor  # fp32
+    topk_w: torch.Tensor  # the router's top-k weights as the layer got them
     combine: torch.Tensor  # [T, K, H] the unweighted expert outputs (a copy at EP > 1: the region is reused)
     saved_h: torch.Tensor | None  # the owner's fc1 output in layout order, or None: the backward recomputes
     kept: object | None  # kernel.KeptRows: the expert input / SwiGLU rows (bf16), or None
     dtype: torch.dtype
+
+
+pytree.register_dataclass(KernelState)  # its tensors are saved for the backward (function.MokMoEFunction)
 
 
 class KernelBackend:
@@ -146,14 +150,13 @@ class KernelBackend:
         keep = None
         if plan.save_expert_input and self.dtype == "bf16":  # config kernel.save_expert_input (bf16 kernel)
             keep = KeptRows.allocate(rows, H, F, plan.ring.minibatch_tokens, x.device)
-        topk_w32 = topk_w.detach().float().contiguous()
         # the expert weights go as the Parameter objects themselves: the kernels only read their pointers, and the
         # FP8 weight cache is keyed by the objects (a fresh detached copy per call would never hit it)
         out, combine, _tpe = mok_forward(
             bufs,
-            x.detach().contiguous(),
+            x.contiguous(),
             topk_idx,
-            topk_w32,
+            topk_w.float().contiguous(),
             list(w1),
             list(w2),
             comm_sms=self.comm_sms,
@@ -169,7 +172,9 @@ class KernelBackend:
         )
         if world > 1:
             combine = combine.clone()  # the symmetric region is reused by the next layer call
-        return out, KernelState(x.detach(), topk_idx, topk_w32, combine, saved_h, keep, x.dtype)
+        # the layer's own inputs, not views of them (inside the autograd node there is no graph to detach from): a
+        # traced state may hold inputs, not intermediates aliasing them
+        return out, KernelState(x, topk_idx, topk_w, combine, saved_h, keep, x.dtype)
 
     def backward(self, plan: MokPlan, state: KernelState, grad_out, w1, w2, main_grads=None):
         """main_grads: (fc1 main_grads, fc2 main_grads) fp32 to add the weight gradients into (then those are
@@ -189,7 +194,7 @@ class KernelBackend:
             grad_out.contiguous().to(state.dtype),
             state.x.contiguous(),
             state.topk_idx,
-            state.topk_w,
+            state.topk_w.float().contiguous(),
             state.combine,
             list(w1),
             list(w2),
@@ -207,5 +212,6 @@ class KernelBackend:
             kept=state.kept,
             glu=plan.glu,
         )
-        self.last_backward = "kernel" + (" (fp8 dgrad)" if fp8 is not None else "")
+        if not torch.compiler.is_compiling():  # (a traced backward may not change its backend object)
+            self.last_backward = "kernel" + (" (fp8 dgrad)" if fp8 is not None else "")
         return gx, gw, gw1, gw2

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .activation import PLAIN, Glu, swiglu, swiglu_backward
 from .layout import (
@@ -184,6 +185,9 @@ class ReferenceState:
     rounds: int
     shape: tuple[int, int, int]  # T, K, H
     dtype: torch.dtype
+
+
+pytree.register_dataclass(ReferenceState)  # its tensors are saved for the backward (function.MokMoEFunction)
 
 
 def mok_forward(

@@ -22,7 +22,7 @@ import torch
 from ..activation import Glu
 from . import errors, ops
 from .comm import PeerBuffers
-from .forward import KeptRows
+from .forward import KeptRows, on_stream
 from .tuning import glu_args
 
 WGRAD_MODES = ("kernel", "mm", "grouped", "none")
@@ -244,10 +244,9 @@ def mok_backward(
     cap = owner_rows or max(1, world * T * K)
     ops.load()
     device = x.device
-    stream = stream or torch.cuda.current_stream(device)
     epoch = bufs.next_epoch()
     bf = dict(dtype=torch.bfloat16, device=device)
-    with torch.cuda.stream(stream):
+    with on_stream(stream):
         combine_buf = combine_buf.contiguous()
         if world > 1:
             reg = bufs.region
@@ -305,9 +304,11 @@ def mok_backward(
                 rank=rank, timeout_ms=timeout_ms, home=home,
             )  # fmt: skip
     bufs.epoch = epoch
-    errors.after_launch(bufs.bwd_err, stream, check, errors.backward_message(world, L, timeout_ms))
+    if check:
+        errors.after_launch(bufs.bwd_err, stream or torch.cuda.current_stream(device), check,
+                            errors.backward_message(world, L, timeout_ms))  # fmt: skip
     if wgrad in ("mm", "grouped"):
-        with torch.cuda.stream(stream):
+        with on_stream(stream):
             gw1, gw2 = weight_grads(
                 tpe, xl, gyl, dh, act, mode=wgrad, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2
             )

@@ -4,9 +4,11 @@ expert FFN, push combine, top-k sum), at EP 1 over plain tensors and at EP > 1 o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..activation import Glu
 from . import errors, ops
@@ -40,6 +42,10 @@ class KeptRows:
     @property
     def rows(self) -> int:
         return int(self.x.shape[0])
+
+
+# the layer's state holds the kept rows: their tensors are saved for the backward with it (function.py)
+pytree.register_dataclass(KeptRows)
 
 
 def _fail(msg: str) -> None:
@@ -108,9 +114,8 @@ def mok_forward(
     L = len(w1)
     ops.load()
     device = x.device
-    stream = stream or torch.cuda.current_stream(device)
     epoch = bufs.next_epoch()
-    with torch.cuda.stream(stream):
+    with on_stream(stream):
         if world > 1:
             reg = bufs.region
             if H != reg.hidden or K != reg.topk:
@@ -143,7 +148,7 @@ def mok_forward(
         t = tuning or ForwardTuning()
         stall = debug_stall if debug_stall is not None else (-1, -1)
         if gpu_events is not None:
-            gpu_events[0].record(stream)
+            gpu_events[0].record()
         out, tpe = torch.ops.mok.forward(
             x, topk_idx, topk_weight, wq1, wq2, ws1, ws2, combine, bufs.err, peer_bases, peer_offsets,
             saved_h, None if keep is None else keep.x, None if keep is None else keep.act, tl, tc,
@@ -151,9 +156,16 @@ def mok_forward(
             -1 if t.tile_raster is None else t.tile_raster, t.macrobatches, t.fast_silu, t.debug_bits(), *stall,
         )  # fmt: skip
         if gpu_events is not None:
-            gpu_events[1].record(stream)
+            gpu_events[1].record()
     if keep is not None:
         keep.filled = True  # this launch lays the rows out (stream-ordered before any backward)
     bufs.epoch = epoch
-    errors.after_launch(bufs.err, stream, check, errors.forward_message(world, L, timeout_ms))
+    if check:
+        errors.after_launch(bufs.err, stream or torch.cuda.current_stream(device), check,
+                            errors.forward_message(world, L, timeout_ms))  # fmt: skip
     return out, combine, tpe
+
+
+def on_stream(stream: torch.cuda.Stream | None):
+    """The launch's stream as the current one (None: the current stream as it is)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

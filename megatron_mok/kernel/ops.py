@@ -106,7 +106,10 @@ _loaded: dict[str, str] = {}
 def load(which: str = "sm90") -> str:
     """Build (or reuse from the cache) and load the CUDA implementations: ``"sm90"`` the Hopper kernels (every
     operator but the sm_100 one), ``"sm100"`` the Blackwell unit. Returns the library's path; loads once per
-    process. Raises ``build.BuildError`` naming what is missing."""
+    process. Raises ``build.BuildError`` naming what is missing. While torch.compile traces a call (no lock
+    there), the library is the one a call before loaded, or none yet: tracing needs only the schemas."""
+    if torch.compiler.is_compiling():
+        return _loaded.get(which, "")
     with _lock:
         path = _loaded.get(which)
         if path is None:
