@@ -16,6 +16,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-cases", type=int, default=None, help="cases of the fuzz tests (default: each test's own)")
+    parser.addoption("--fuzz-seed", type=int, default=0, help="first seed of the fuzz tests' cases")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (sm_90a) and the built MoK kernel")
     config.addinivalue_line("markers", "nvcc: needs nvcc and the CUTLASS headers (compiles, runs nothing)")

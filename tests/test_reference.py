@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_math import dense_grads
 from routings import ROUTINGS, make_topk
 
-from megatron_mok.activation import swiglu
 from megatron_mok.function import mok_moe
 from megatron_mok.plan import MokPlan, RingSpec
 from megatron_mok.reference import RingBuffer, dense_moe_reference
@@ -23,35 +23,6 @@ def _problem(R, L, H, F, K, tokens, kind, seed=0, dtype=torch.float64):
     w1 = [(torch.randn(2 * F, H, generator=g, dtype=torch.float64) / H**0.5).to(dtype) for _ in range(E)]
     w2 = [(torch.randn(H, F, generator=g, dtype=torch.float64) / F**0.5).to(dtype) for _ in range(E)]
     return xs, idx, ws, w1, w2
-
-
-def _dense_grads(xs, idx, ws, w1, w2, R):
-    """Per-token definition with autograd: out[t] = sum_k w[t,k] * fc2(swiglu(fc1(x[t])))."""
-    xx = [x.clone().requires_grad_() for x in xs]
-    ww = [w.clone().requires_grad_() for w in ws]
-    a = [w.clone().requires_grad_() for w in w1]
-    b = [w.clone().requires_grad_() for w in w2]
-    outs, loss = [], 0
-    for r in range(R):
-        o = torch.zeros_like(xx[r])
-        for k in range(idx[r].shape[1]):
-            for e in idx[r][:, k].unique().tolist():
-                sel = idx[r][:, k] == e
-                if e >= 0:
-                    o = o.index_add(
-                        0, sel.nonzero().flatten(), ww[r][sel, k, None] * (swiglu(xx[r][sel] @ a[e].t()) @ b[e].t())
-                    )
-        outs.append(o)
-        loss = loss + (o * (r + 1)).sum() + (o**2).sum()
-    loss.backward()
-    z = lambda t, like: t if t is not None else torch.zeros_like(like)  # noqa: E731
-    return (
-        outs,
-        [z(x.grad, x) for x in xx],
-        [z(w.grad, w) for w in ww],
-        [z(t.grad, t) for t in a],
-        [z(t.grad, t) for t in b],
-    )
 
 
 def _mok_rank(tp, xs, idx, ws, w1, w2, ring, L):
@@ -76,7 +47,7 @@ def test_reference_equals_per_token_math(R, kind):
         idx[3][1, 2] = -1  # an unused top-k slot contributes nothing
     ring = RingSpec(minibatch_tokens=4, ring_slots=2)  # far smaller than the batch: many cycles
     got = run_emulated(R, lambda tp: _mok_rank(tp, xs, idx, ws, w1, w2, ring, L))
-    want = _dense_grads(xs, idx, ws, w1, w2, R)
+    want = dense_grads(xs, idx, ws, w1, w2, R)
     for r in range(R):
         o, gx, gw, ga, gb, stats = got[r]
         torch.testing.assert_close(o, want[0][r], rtol=1e-12, atol=1e-12)
