@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """FP8 vs BF16 MoK forward on a Hopper GPU, one run: Kimi-K2 and DeepSeek-V3 per-GPU slices.
 
-For each slice (emulated EP 1, one launch, same inputs):
+For each slice (EP 1, one launch, same inputs):
   dense   : torch.mm bf16 at the fc1 and fc2 shapes with the same row count (the ceiling, this run)
   bf16    : the bf16 MoK forward kernel
   fp8     : the FP8 MoK forward kernel (e4m3, 1 x 128 / 128 x 128 block scales, activations quantised
@@ -103,7 +103,7 @@ def host_profile(fn, n: int = 20, top: int = 12) -> None:
 
 
 def tuning_of(kv: str):
-    """The forward tuning of an --ab-tuning KEY=VALUE (a field of ``kernel.cargs.ForwardTuning``)."""
+    """The forward tuning of an --ab-tuning KEY=VALUE (a field of ``kernel.tuning.ForwardTuning``)."""
     from megatron_mok.kernel.tuning import ForwardTuning
 
     key, _, val = kv.partition("=")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where a MoK forward call's time goes: GPU time per operation (torch.profiler / CUPTI) and host time
-per call, for the bf16 and the fp8 kernel on the Kimi-K2 slice (emulated EP 1).
+per call, for the bf16 and the fp8 kernel on the Kimi-K2 slice (EP 1).
 
     python benchmarks/profile_forward.py [--calls 5] [--dtype bf16,fp8]
 

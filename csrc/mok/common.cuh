@@ -113,7 +113,7 @@ enum SignalKind : int { kSigStart = 0, kSigDone = 1, kSigTokens = 2, kSigSrcQuan
 
 struct Params {
   int R, L, E, H, F, K;
-  int rank0, nparts;                  // ranks [rank0, rank0 + nparts) run in this launch (emulated: 0, R)
+  int rank0, nparts;                  // ranks [rank0, rank0 + nparts) run in this launch (the product's launches: rank, 1)
   int peer_sync;                      // 1: one launch per rank, ranks meet through signal pads (.sys)
   unsigned epoch;                     // call number (>= 1) for the signal pads
   int comm_sms, ctas_per_rank, ring_slots, minibatch;
@@ -165,7 +165,7 @@ struct Params {
   float* ring_scale;                  // [H / 128][nparts * S * slot_rows] (K-block-major: fp8_scale_at)
   float* act_scale;                   // [F / 128][nparts * S * slot_rows]
   // FP8 forward: rank r's tokens as e4m3 rows with their 1 x 128 scales, written
-  // by r's launch before the pulls (emulated: workspace; per-rank launches: r's symmetric region, peer
+  // by r's launch before the pulls (EP 1: workspace; EP > 1: r's symmetric region, peer
   // pointers). Null otherwise.
   uint8_t* const* xq;                 // [R] -> [T_r][H]
   float* const* xs;                   // [R] -> [T_r][H / 128]

@@ -1,4 +1,4 @@
-// MoK backward megakernel (BF16, emulated EP): schedule -> pull reverse-combine (x and w*grad_out rows)
+// MoK backward megakernel (BF16 and FP8 dgrad): schedule -> pull reverse-combine (x and w*grad_out rows)
 // -> dgrad (stage 1: fc1 recompute + fc2 dgrad + SwiGLU backward -> dH, act; stage 2: dX = dH @ W1)
 // -> push reverse-dispatch into the home ranks' grad_buf -> grad_x = sum_k grad_buf, plus the fused
 // router-weight gradient, all in ONE persistent cooperative launch
@@ -20,7 +20,7 @@
 namespace mok {
 namespace bwd {
 
-// Before grad_x of rank q: every rank's dX rows have been pushed (emulated EP: one counter over all
+// Before grad_x of rank q: every rank's dX rows have been pushed (several partitions in one launch: one counter over all
 // partitions; per-rank launches: every peer's compute-done signal).
 __device__ __forceinline__ bool bwd_wait_all_computed(const BwdParams& P, int q, unsigned all_compute) {
   if (P.base.peer_sync) return wait_peers(P.base, q, kSigDone, kPhasePeerDone);

@@ -14,7 +14,7 @@
 namespace mok {
 namespace bwd {
 
-// Per-rank buffers of the backward (emulated EP: all on one GPU; real EP: peer pointers).
+// Per-rank buffers of the backward (a partition's own, or peers' through their pointers).
 struct BwdRank {
   const __nv_bfloat16* grad_out;  // [T, H]   home: output gradient (pulled by owners)
   const __nv_bfloat16* combine;   // [T, K, H] home: forward's unweighted expert outputs
@@ -45,7 +45,7 @@ struct BwdParams {
   int act_kept;         // 1: act holds the forward's kept SwiGLU output (saved-h path): no act rows here
 };
 
-// Tensor maps (this launch's partitions p = part(q) = q - rank0; emulated EP: p = q):
+// Tensor maps (this launch's partitions p = part(q) = q - rank0; one launch of every rank: p = q):
 // per local expert g = p * L + e: 4g+0 gate [F,H], 4g+1 up [F,H], 4g+2 W2 (see tm_w2), 4g+3 W1 (MN-major);
 // per partition p: 4*np*L + 5p + 0 xl [cap,H], +1 gyl [cap,H], +2 dh [cap,2F], +3 saved h [cap,2F] (or unset),
 // +4 dh in [64 x 64] boxes (TMA stores).

@@ -1,6 +1,6 @@
 // Pull dispatch (comm SMs of rank q): for each minibatch in order, wait until its ring slot is free,
 // copy (pull) the layout rows' x vectors from the source ranks' x buffers into the slot, then publish
-// the slot's ready counter. In emulated EP the source pointers come from the per-rank table; with
+// the slot's ready counter. When several rank partitions share a launch the source pointers come from the per-rank table; with
 // real EP they would be NVLink peer pointers (symmetric memory), and the copy is a remote read.
 // FP8 kernel (kFp8): each token is quantised once, at its source, in the kernel's first phase
 // (quantize_sources), and the pull copies e4m3 rows: half the bytes of the bf16 rows, one quantisation per token

@@ -2,7 +2,7 @@
 //
 // push: the fc2 epilogue writes each finished y row (bf16) straight into the home rank's
 //       combine buffer combine_buf[r][t, k, :] (r, t, k from the layout entry). In real EP this is a
-//       store through the home rank's peer pointer; in emulated EP it is the per-rank table pointer.
+//       store through the home rank's peer pointer; with several partitions in one launch it is the per-rank table pointer.
 // reduce: once every rank's compute SMs are done (counter), each rank's comm warps and compute
 //       consumer warps compute out[r][t] = bf16( sum_k w[t,k] * float(combine_buf[r][t,k]) ),
 //       fp32, k ascending, unused slots (idx == -1) skipped, rows with no valid k -> 0.

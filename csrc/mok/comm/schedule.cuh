@@ -7,7 +7,7 @@
 //   B  one warp per expert: exclusive scan of the chunk counts over chunks (chunks are ordered by
 //      (src rank, token)), giving each chunk's base inside the expert; expert totals.
 //   C  every CTA derives the expert offsets of every owner (smem), then writes the layout rows of the
-//      owners that run in this launch (all of them in emulated EP, its own rank in a per-rank launch).
+//      owners that run in this launch (its own rank in a per-rank launch; every rank when one launch runs them all).
 //      An owner whose total exceeds P.owner_rows (its row buffers' capacity) is recorded as kErrCapacity;
 //      the kernels check for it after the following grid barrier, before any row buffer is written.
 // A per-rank launch reads every rank's topk_idx through peer pointers and repeats A/B for all ranks:

@@ -7,7 +7,7 @@
 // sum), the rest run the warp-specialized WGMMA expert FFN; comm_sms = 0 runs the FFN on every CTA and the
 // pull on spare warps of their producer warpgroups (comm/pull_dispatch.cuh). Ranks only see each other through
 // the per-rank table, so the same device code serves
-//   * emulated EP: all R ranks in one launch on one GPU (P = R), and
+//   * all R ranks in one launch on one GPU (P = R; the device code allows it, nothing launches it), and
 //   * per-rank launches: real EP, one launch per GPU with symmetric-memory peer pointers (P = 1);
 //     ranks meet at start / compute-done (FP8: also source-quantised) on their signal pads (comm/peer_sync.cuh).
 #pragma once
