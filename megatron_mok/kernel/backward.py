@@ -304,9 +304,7 @@ def mok_backward(
                 rank=rank, timeout_ms=timeout_ms, home=home,
             )  # fmt: skip
     bufs.epoch = epoch
-    if check:
-        errors.after_launch(bufs.bwd_err, stream or torch.cuda.current_stream(device), check,
-                            errors.backward_message(world, L, timeout_ms))  # fmt: skip
+    errors.after_launch(bufs.bwd_err, stream, check, errors.backward_message(world, L, timeout_ms))
     if wgrad in ("mm", "grouped"):
         with on_stream(stream):
             gw1, gw2 = weight_grads(

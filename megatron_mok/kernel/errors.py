@@ -165,9 +165,15 @@ def refuse_capture(who: str, why: str) -> None:
 
 
 def after_launch(err: torch.Tensor, stream, check, message: Message) -> None:
-    """Read a launch's record as ``check`` says (module docstring)."""
+    """Read a launch's record as ``check`` says (module docstring); ``stream``: the launch's, None for the current
+    one. The message is kept for ``check_last_error`` whatever ``check`` is. Nothing happens while torch.compile
+    traces the launch (its record is read like a CUDA graph's)."""
+    if torch.compiler.is_compiling():
+        return
     if id(err) in _records:
         _records[id(err)] = (_records[id(err)][0], message)
+    if check and stream is None:
+        stream = torch.cuda.current_stream(err.device)
     if check == "lazy":
         _lazy_checker(err.device.index).after_launch(err, stream, message)
     elif check:

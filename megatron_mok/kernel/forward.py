@@ -160,9 +160,7 @@ def mok_forward(
     if keep is not None:
         keep.filled = True  # this launch lays the rows out (stream-ordered before any backward)
     bufs.epoch = epoch
-    if check:
-        errors.after_launch(bufs.err, stream or torch.cuda.current_stream(device), check,
-                            errors.forward_message(world, L, timeout_ms))  # fmt: skip
+    errors.after_launch(bufs.err, stream, check, errors.forward_message(world, L, timeout_ms))
     return out, combine, tpe
 
 
