@@ -34,10 +34,17 @@ class Case:
 
 
 def draw_case(
-    seed: int, *, ranks=(1, 2, 4), experts=(1, 4), hidden=(8, 16, 24), ffn=(4, 8, 12), tokens=(0, 40)
+    seed: int,
+    *,
+    ranks=(1, 2, 4),
+    experts=(1, 4),
+    hidden=(8, 16, 24),
+    ffn=(4, 8, 12),
+    tokens=(0, 40),
+    minibatches=(1, 3, 8, 16, 64),
 ) -> Case:
     """One case from ``seed``: EP size from ``ranks``, local experts in the ``experts`` range, sizes from ``hidden`` /
-    ``ffn``, token counts per rank in the ``tokens`` range."""
+    ``ffn``, token counts per rank in the ``tokens`` range, the minibatch from ``minibatches``."""
     rng = random.Random(seed)
     R = rng.choice(ranks)
     L = rng.randint(*experts)
@@ -49,7 +56,7 @@ def draw_case(
             counts[r] = 0
     return Case(
         seed, R, L, rng.choice(hidden), rng.choice(ffn), K, tuple(counts), routing,
-        minibatch=rng.choice((1, 3, 8, 16, 64)), ring_slots=rng.randint(1, 4),
+        minibatch=rng.choice(minibatches), ring_slots=rng.randint(1, 4),
     )  # fmt: skip
 
 
