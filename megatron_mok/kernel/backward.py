@@ -249,27 +249,12 @@ def mok_backward(
     with on_stream(stream):
         combine_buf = combine_buf.contiguous()
         if world > 1:
-            reg = bufs.region
-            if H != reg.hidden or K != reg.topk:
-                _fail(
-                    f"x / topk_idx are [{T}, {H}] / [{T}, {K}], the peer buffers were built for H={reg.hidden}, K={reg.topk}"
-                )
-            if T > reg.tokens_cap:
-                _fail(f"{T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}: rebuild PeerBuffers larger")
-            for name, t, shape in (("grad_out", grad_out, (T, H)), ("topk_weight", topk_weight, (T, K))):
-                if tuple(t.shape) != shape:  # checked before it is published into the region
-                    _fail(f"{name} must be {list(shape)}, got {list(t.shape)}")
             # the backward receives gradients in the combine bytes: keep the forward's rows apart first
             lo, hi = bufs.grad_buf.data_ptr(), bufs.grad_buf.data_ptr() + bufs.grad_buf.numel() * 2
             if lo <= combine_buf.data_ptr() < hi:
                 combine_buf = combine_buf.clone()
-            # publish this call's inputs where peers read them
-            for dst, src in ((bufs.x, x), (bufs.grad_out, grad_out), (bufs.topk_w, topk_weight)):
-                if src.data_ptr() != dst.data_ptr():
-                    dst[:T].copy_(src)
-            if topk_idx.data_ptr() != bufs.idx.data_ptr() or topk_idx.dtype != torch.int32:
-                bufs.idx[:T].copy_(topk_idx)
-            x, grad_out, topk_weight, topk_idx = bufs.x[:T], bufs.grad_out[:T], bufs.topk_w[:T], bufs.idx[:T]
+            v = bufs.publish("mok_backward", T, x=x, grad_out=grad_out, topk_weight=topk_weight, topk_idx=topk_idx)
+            x, grad_out, topk_weight, topk_idx = v["x"], v["grad_out"], v["topk_weight"], v["topk_idx"]
             grad_buf = bufs.grad_buf[:T]
             peer_bases, peer_offsets = bufs.ptrs, bufs.backward_offsets()
         else:

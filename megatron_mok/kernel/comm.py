@@ -153,6 +153,34 @@ class PeerBuffers:
         """The epoch of the next call (EP > 1: the signal value every rank waits for; EP 1: 0, none is waited on)."""
         return 0 if self.world == 1 else (self.epoch + 1) & 0xFFFFFFFF or 1
 
+    def publish(self, who: str, T: int, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """EP > 1: put this call's ``inputs`` (by name: x, grad_out [T, H]; topk_idx, topk_weight [T, K]) where peers
+        read them, after checking they fit this region (one ValueError naming the input otherwise); an input the
+        caller wrote there already is not copied. Returns the region's views [T, ...] by name."""
+        reg = self.region
+        if T > reg.tokens_cap:
+            raise ValueError(
+                f"{who}: {T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}: rebuild PeerBuffers larger"
+            )
+        fields = {
+            "x": (self.x, reg.hidden),
+            "grad_out": (self.grad_out, reg.hidden),
+            "topk_idx": (self.idx, reg.topk),
+            "topk_weight": (self.topk_w, reg.topk),
+        }
+        views = {}
+        for name, t in inputs.items():
+            dst, cols = fields[name]
+            if tuple(t.shape) != (T, cols):
+                raise ValueError(
+                    f"{who}: {name} must be [{T}, {cols}] (the peer buffers were built for H={reg.hidden}, "
+                    f"K={reg.topk}), got {list(t.shape)}"
+                )
+            if t.data_ptr() != dst.data_ptr() or t.dtype != dst.dtype:
+                dst[:T].copy_(t)
+            views[name] = dst[:T]
+        return views
+
     def forward_offsets(self) -> list[int]:
         """The region offsets the forward operator reads peers at (csrc/mok/apis/forward.cpp: ForwardOffset)."""
         r = self.region

@@ -117,21 +117,8 @@ def mok_forward(
     epoch = bufs.next_epoch()
     with on_stream(stream):
         if world > 1:
-            reg = bufs.region
-            if H != reg.hidden or K != reg.topk:
-                _fail(
-                    f"x / topk_idx are [{T}, {H}] / [{T}, {K}], the peer buffers were built for H={reg.hidden}, K={reg.topk}"
-                )
-            if T > reg.tokens_cap:
-                _fail(f"{T} tokens exceed the peer buffers' capacity of {reg.tokens_cap}: rebuild PeerBuffers larger")
-            if tuple(topk_idx.shape) != (T, K):  # checked before it is published into the region
-                _fail(f"topk_idx must be [{T}, {K}], got {list(topk_idx.shape)}")
-            # publish this call's inputs where peers read them (skipped when the caller wrote them there)
-            if x.data_ptr() != bufs.x.data_ptr():
-                bufs.x[:T].copy_(x)
-            if topk_idx.data_ptr() != bufs.idx.data_ptr() or topk_idx.dtype != torch.int32:
-                bufs.idx[:T].copy_(topk_idx)
-            x, topk_idx, combine = bufs.x[:T], bufs.idx[:T], bufs.combine[:T]
+            v = bufs.publish("mok_forward", T, x=x, topk_idx=topk_idx)
+            x, topk_idx, combine = v["x"], v["topk_idx"], bufs.combine[:T]
             peer_bases, peer_offsets = bufs.ptrs, bufs.forward_offsets()
         else:
             if topk_idx.dtype == torch.int64:

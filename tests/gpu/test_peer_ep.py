@@ -296,7 +296,7 @@ def test_backward_rank_bad_inputs_are_clear_errors(kernel):
     w = torch.ones((T, 2), dtype=torch.float32, device=dev)
     comb = torch.zeros((T, 2, 256), dtype=torch.bfloat16, device=dev)
     kw = dict(comm_sms=1, ring_slots=2, minibatch_tokens=64)
-    with pytest.raises(ValueError, match=r"mok_backward: grad_out must be \[32, 256\], got \[8, 256\]"):
+    with pytest.raises(ValueError, match=r"mok_backward: grad_out must be \[32, 256\] .*got \[8, 256\]"):
         mok_backward(bufs[0], x[:8], x, idx, w, comb, w1, w2, **kw)
     with pytest.raises(ValueError, match="saved_h must be"):
         mok_backward(
