@@ -13,26 +13,12 @@
 #include "mok_limits.h"
 
 // Timing ablations (leave one stage out; results are wrong on purpose). Only compiled into the
-// -DMOK_ABLATION build (megatron_mok.kernel.build with MOK_ABLATION=1), so the normal kernel has no
-// extra branches or registers; the bitmask comes from the MOK_DEBUG environment variable.
+// -DMOK_ABLATION build (MOK_DEBUG=ablation=BITS, megatron_mok/env.py), so the normal kernel has no extra
+// branches or registers.
 #ifdef MOK_ABLATION
 #define MOK_DBG(bit) (P.debug & (bit))
 #else
 #define MOK_DBG(bit) 0
-#endif
-// Hang diagnosis (ablation build, MOK_DEBUG bit 256): each thread's last progress code in P.timeline, read
-// as unsigned [grid][kThreads] -- host-mapped memory the host reads while the kernel runs (timeline events
-// are off then).
-#ifdef MOK_ABLATION
-#define MOK_PROGRESS(code)                                                                                 \
-  do {                                                                                                     \
-    if (P.debug & 256)                                                                                     \
-      reinterpret_cast<volatile unsigned*>(P.timeline)[blockIdx.x * 384u + threadIdx.x] = (unsigned)(code); \
-  } while (0)
-#else
-#define MOK_PROGRESS(code) \
-  do {                     \
-  } while (0)
 #endif
 
 namespace mok {
@@ -124,8 +110,8 @@ struct Params {
   int debug;                          // timing ablations (MOK_DEBUG bitmask, results wrong): 1 no final sum,
                                       // 2 no fc2 epilogue stores, 4 no fc1 epilogue stores, 8 no dispatch copy,
                                       // 32 no fp8 scale promotion (the drain stays), 64 no fp8 drain
-                                      // either (wait<1> as bf16), 256 progress codes (hang diagnosis)
-  int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (MOK_FP8_FAST_SILU; off)
+                                      // either (wait<1> as bf16)
+  int fp8_fast_silu;                  // fp8 forward: SiLU through tanh.approx in the fc1 epilogue (kernel.fast_silu; off)
   int raster;                         // ticket order in a GEMM stage: 0 row-block major, 1 n-tile major, G>1 bands of G row blocks
   int num_chunks, total_entries;
   int stall_rank, stall_slot;

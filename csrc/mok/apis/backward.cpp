@@ -6,7 +6,6 @@
 #include <torch/library.h>
 
 #include "apis/checks.h"
-#include "mok_limits.h"
 #include "host/launch_args.h"
 
 namespace mok_api {
@@ -107,13 +106,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
       check_contiguous(kBwd, std::get<0>(bshapes[k]), fp8_buffers[k]);
     }
   }
-  const int R = peer_bases.empty() ? 1 : (int)peer_bases.size();
-  TORCH_CHECK_VALUE(R <= MOK_MAX_RANKS, kBwd, ": at most ", MOK_MAX_RANKS, " ranks, got ", R);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < R, kBwd, ": rank ", rank, " out of [0, ", R, ")");
+  const int R = check_ranks(kBwd, peer_bases, peer_offsets, kBackwardOffsets, rank, epoch, ring_slots, stall_rank,
+                            stall_slot);
   if (R > 1) {
-    TORCH_CHECK_VALUE((int)peer_offsets.size() == kBackwardOffsets, kBwd, ": peer_offsets must hold ",
-                      kBackwardOffsets, " region offsets, got ", peer_offsets.size());
-    TORCH_CHECK_VALUE(epoch >= 1, kBwd, ": epoch must be >= 1 at EP > 1 (the call number), got ", epoch);
     const unsigned long long own = (unsigned long long)peer_bases[rank];
     TORCH_CHECK_VALUE(ptr(x) == own + peer_offsets[kOffX] && ptr(topk_idx) == own + peer_offsets[kOffIdx] &&
                           ptr(topk_weight) == own + peer_offsets[kOffTopkW] &&
@@ -122,14 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                       kBwd, ": at EP > 1, x, topk_idx, topk_weight, grad_out and grad_buf must be this rank's "
                       "symmetric-region views");
   }
-  TORCH_CHECK_VALUE(stall_rank >= -1 && stall_rank < R && stall_slot >= -1 && stall_slot < ring_slots, kBwd,
-                    ": debug stall (", stall_rank, ", ", stall_slot, ") out of range");
-  TORCH_CHECK_VALUE(timeline.has_value() == timeline_count.has_value(), kBwd,
-                    ": timeline and timeline_count go together");
-  if (timeline.has_value()) {
-    check_tensor(kBwd, "timeline", *timeline, at::kLong, 3, dev);
-    check_shape(kBwd, "timeline_count", *timeline_count, at::kInt, {timeline->size(0)}, dev);
-  }
+  check_timeline(kBwd, timeline, timeline_count, dev);
 
   const c10::cuda::CUDAGuard guard(dev);
   load_kernels_once(dev.index());
@@ -138,24 +126,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   at::Tensor grad_w = at::empty({T, K}, x.options().dtype(at::kFloat));
   at::Tensor tpe = at::empty({L}, x.options().dtype(at::kInt));
 
-  mok_host::MokBwdArgs a{};
-  a.R = R;
-  a.L = (int)L;
-  a.H = (int)H;
-  a.F = (int)F;
-  a.K = (int)K;
-  a.comm_sms = (int)comm_sms;
-  a.ring_slots = (int)ring_slots;
-  a.minibatch = (int)minibatch;
-  a.ctas_per_rank = (int)ctas;
-  a.stall_rank = (int)stall_rank;
-  a.stall_slot = (int)stall_slot;
-  a.device = dev.index();
-  a.timeout_ms = timeout_ms;
-  a.cap = cap;
-  a.rank = (int)rank;
-  a.epoch = (unsigned)epoch;
   const std::vector<long long> Ts((size_t)R, (long long)T);  // equal on every rank (checked in the kernel)
+  mok_host::MokBwdArgs a{};
+  fill_rank_launch(a, R, L, H, F, K, dev, Ts, rank, epoch, comm_sms, ring_slots, minibatch, ctas, timeout_ms,
+                   stall_rank, stall_slot, glu, glu_clamp, glu_offset, timeline, timeline_count);
+  a.cap = cap;
   std::vector<unsigned long long> x_, idx_, w_, go_, gb_, sig_;
   if (R > 1) {
     x_ = peer_ptrs(peer_bases, peer_offsets[kOffX]);
@@ -177,7 +152,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
                                         xl_ = own_only(R, rk, ptr(xl)), gyl_ = own_only(R, rk, ptr(gyl)),
                                         dh_ = own_only(R, rk, ptr(dh)), act_ = own_only(R, rk, ptr(act)),
                                         sh_ = own_only(R, rk, ptr(saved_h));
-  a.T = Ts.data();
   a.x = x_.data();
   a.idx = idx_.data();
   a.w = w_.data();
@@ -223,27 +197,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     a.dh8 = f8b[2].data();
     a.dhs = f8b[3].data();
   }
-  if (timeline.has_value()) {
-    a.timeline = ptr(*timeline);
-    a.timeline_count = ptr(*timeline_count);
-    a.timeline_cap = (int)timeline->size(1);
-  }
   a.defer_home = defer_home ? 1 : 0;
   a.x_kept = x_kept ? 1 : 0;
   a.act_kept = act_kept ? 1 : 0;
-  a.glu = (int)glu;
-  a.glu_clamp = (float)glu_clamp;
-  a.glu_offset = (float)glu_offset;
 
-  char eb[kErrLen] = {0};
-  const long long nbytes = mok_host::backward_workspace_bytes(&a, eb, kErrLen);
-  TORCH_CHECK_VALUE(nbytes >= 0, kBwd, ": invalid launch: ", eb);
-  at::Tensor ws = at::empty({nbytes + 4096}, x.options().dtype(at::kByte));
-  a.workspace = ptr(ws);
-  a.workspace_bytes = (unsigned long long)ws.numel();
-  a.err = ptr(err);
-  check_launch(mok_host::backward_launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), kBwd,
-               eb);
+  launch_with_workspace(kBwd, a, &mok_host::backward_workspace_bytes, &mok_host::backward_launch, err, dev);
   return {grad_x, grad_w, tpe};
 }
 
@@ -341,16 +299,7 @@ void wgrad(const at::Tensor& tokens_per_expert, const at::Tensor& xl, const at::
     a.h_grad_w = &hgw;
     a.h_grad_x = &hgx;
   }
-  char eb[kErrLen] = {0};
-  const long long nbytes = mok_host::wgrad_workspace_bytes(&a, eb, kErrLen);
-  TORCH_CHECK_VALUE(nbytes >= 0, kWgrad, ": invalid launch: ", eb);
-  // per call (stream-ordered by the caching allocator), so launches on several streams never share it
-  at::Tensor ws = at::empty({nbytes + 256}, xl.options().dtype(at::kByte));
-  a.workspace = (ptr(ws) + 255) / 256 * 256;
-  a.workspace_bytes = (unsigned long long)nbytes;
-  a.err = ptr(err);
-  check_launch(mok_host::wgrad_launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), kWgrad,
-               eb);
+  launch_with_workspace(kWgrad, a, &mok_host::wgrad_workspace_bytes, &mok_host::wgrad_launch, err, dev);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "host/launch_args.h"
+#include "mok_limits.h"
 
 #include <cstdint>
 #include <mutex>
@@ -89,6 +90,85 @@ inline void check_sm_split(const char* op, int device, int64_t comm_sms, int64_t
   const int64_t cpr = ctas > 0 ? ctas : sms;
   TORCH_CHECK_VALUE(comm_sms < cpr, op, ": comm_sms=", comm_sms, " leaves no compute SM: the launch runs on ", cpr,
                     " SMs");
+}
+
+// The ranks of a per-rank launch: 1 without peer bases (EP 1), else one per base, with `rank` among them, the
+// region offsets the operator reads, a call number, and a debug stall inside the ranks and ring slots.
+inline int check_ranks(const char* op, at::IntArrayRef peer_bases, at::IntArrayRef peer_offsets, int n_offsets,
+                       int64_t rank, int64_t epoch, int64_t ring_slots, int64_t stall_rank, int64_t stall_slot) {
+  const int R = peer_bases.empty() ? 1 : (int)peer_bases.size();
+  TORCH_CHECK_VALUE(R <= MOK_MAX_RANKS, op, ": at most ", MOK_MAX_RANKS, " ranks, got ", R);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < R, op, ": rank ", rank, " out of [0, ", R, ")");
+  if (R > 1) {
+    TORCH_CHECK_VALUE((int)peer_offsets.size() == n_offsets, op, ": peer_offsets must hold ", n_offsets,
+                      " region offsets, got ", peer_offsets.size());
+    TORCH_CHECK_VALUE(epoch >= 1, op, ": epoch must be >= 1 at EP > 1 (the call number), got ", epoch);
+  }
+  TORCH_CHECK_VALUE(stall_rank >= -1 && stall_rank < R && stall_slot >= -1 && stall_slot < ring_slots, op,
+                    ": debug stall (", stall_rank, ", ", stall_slot, ") out of range");
+  return R;
+}
+
+// An optional in-kernel timeline: events int64 [grid, cap, 3] with per-CTA counts int32 [grid], or neither.
+inline void check_timeline(const char* op, const std::optional<at::Tensor>& timeline,
+                           const std::optional<at::Tensor>& timeline_count, const at::Device& dev) {
+  TORCH_CHECK_VALUE(timeline.has_value() == timeline_count.has_value(), op,
+                    ": timeline and timeline_count go together");
+  if (timeline.has_value()) {
+    check_tensor(op, "timeline", *timeline, at::kLong, 3, dev);
+    check_shape(op, "timeline_count", *timeline_count, at::kInt, {timeline->size(0)}, dev);
+  }
+}
+
+// The fields every rank's launch carries (host/launch_args.h: MokRankLaunch), from the operator's arguments. `T`
+// is the caller's per-rank token counts (kept alive by the caller for the launch).
+inline void fill_rank_launch(mok_host::MokRankLaunch& a, int R, int64_t L, int64_t H, int64_t F, int64_t K,
+                             const at::Device& dev, const std::vector<long long>& T, int64_t rank, int64_t epoch,
+                             int64_t comm_sms, int64_t ring_slots, int64_t minibatch, int64_t ctas, double timeout_ms,
+                             int64_t stall_rank, int64_t stall_slot, int64_t glu, double glu_clamp, double glu_offset,
+                             const std::optional<at::Tensor>& timeline,
+                             const std::optional<at::Tensor>& timeline_count) {
+  a.R = R;
+  a.L = (int)L;
+  a.H = (int)H;
+  a.F = (int)F;
+  a.K = (int)K;
+  a.comm_sms = (int)comm_sms;
+  a.ring_slots = (int)ring_slots;
+  a.minibatch = (int)minibatch;
+  a.ctas_per_rank = (int)ctas;
+  a.stall_rank = (int)stall_rank;
+  a.stall_slot = (int)stall_slot;
+  a.device = dev.index();
+  a.timeout_ms = timeout_ms;
+  a.T = T.data();
+  a.rank = (int)rank;
+  a.epoch = (unsigned)epoch;
+  if (timeline.has_value()) {
+    a.timeline = ptr(*timeline);
+    a.timeline_count = ptr(*timeline_count);
+    a.timeline_cap = (int)timeline->size(1);
+  }
+  a.glu = (int)glu;
+  a.glu_clamp = (float)glu_clamp;
+  a.glu_offset = (float)glu_offset;
+}
+
+// Size the launch's workspace (its launcher's *_workspace_bytes), take it from the caching allocator for this call
+// (stream-ordered reuse; a captured launch gets its own graph-pool block), 256-byte aligned, and launch on the
+// current stream. A refusal of either is one error naming the operator.
+template <class Args>
+void launch_with_workspace(const char* op, Args& a, long long (*workspace_bytes)(const Args*, char*, int),
+                           int (*launch)(const Args*, cudaStream_t, char*, int), const at::Tensor& err,
+                           const at::Device& dev) {
+  char eb[kErrLen] = {0};
+  const long long nbytes = workspace_bytes(&a, eb, kErrLen);
+  TORCH_CHECK_VALUE(nbytes >= 0, op, ": invalid launch: ", eb);
+  at::Tensor ws = at::empty({nbytes + 256}, err.options().dtype(at::kByte));
+  a.workspace = (ptr(ws) + 255) / 256 * 256;
+  a.workspace_bytes = (unsigned long long)nbytes;
+  a.err = ptr(err);
+  check_launch(launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), op, eb);
 }
 
 // Every MoK kernel loaded on `device` before the first launch there (once per device; host/launch_args.h says why).

@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include "apis/checks.h"
-#include "mok_limits.h"
 #include "host/launch_args.h"
 
 namespace mok_api {
@@ -75,13 +74,9 @@ std::tuple<at::Tensor, at::Tensor> forward(
   check_shape(kOp, "err", err, at::kInt, {16}, dev);
   check_experts(w1, w2, w1_scale, w2_scale, H, F, fp8, dev);
 
-  const int R = peer_bases.empty() ? 1 : (int)peer_bases.size();
-  TORCH_CHECK_VALUE(R <= MOK_MAX_RANKS, kOp, ": at most ", MOK_MAX_RANKS, " ranks, got ", R);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < R, kOp, ": rank ", rank, " out of [0, ", R, ")");
+  const int R = check_ranks(kOp, peer_bases, peer_offsets, kForwardOffsets, rank, epoch, ring_slots, stall_rank,
+                            stall_slot);
   if (R > 1) {
-    TORCH_CHECK_VALUE((int)peer_offsets.size() == kForwardOffsets, kOp, ": peer_offsets must hold ", kForwardOffsets,
-                      " region offsets, got ", peer_offsets.size());
-    TORCH_CHECK_VALUE(epoch >= 1, kOp, ": epoch must be >= 1 at EP > 1 (the call number), got ", epoch);
     const unsigned long long own = (unsigned long long)peer_bases[rank];
     TORCH_CHECK_VALUE(ptr(x) == own + peer_offsets[kOffX] && ptr(topk_idx) == own + peer_offsets[kOffIdx] &&
                           ptr(combine) == own + peer_offsets[kOffCombine],
@@ -90,8 +85,6 @@ std::tuple<at::Tensor, at::Tensor> forward(
                       ": the FP8 forward quantises each token at its source: build the PeerBuffers with "
                       "fp8_sources=True");
   }
-  TORCH_CHECK_VALUE(stall_rank >= -1 && stall_rank < R && stall_slot >= -1 && stall_slot < ring_slots, kOp,
-                    ": debug stall (", stall_rank, ", ", stall_slot, ") out of range");
   if (saved_h.has_value()) {
     check_tensor(kOp, "saved_h", *saved_h, at::kBFloat16, 2, dev);
     TORCH_CHECK_VALUE(saved_h->size(1) == 2 * F && saved_h->size(0) >= 1 && saved_h->is_contiguous(), kOp,
@@ -109,11 +102,7 @@ std::tuple<at::Tensor, at::Tensor> forward(
     check_contiguous(kOp, "keep_x", *keep_x);
     check_contiguous(kOp, "keep_act", *keep_act);
   }
-  TORCH_CHECK_VALUE(timeline.has_value() == timeline_count.has_value(), kOp, ": timeline and timeline_count go together");
-  if (timeline.has_value()) {
-    check_tensor(kOp, "timeline", *timeline, at::kLong, 3, dev);
-    check_shape(kOp, "timeline_count", *timeline_count, at::kInt, {timeline->size(0)}, dev);
-  }
+  check_timeline(kOp, timeline, timeline_count, dev);
 
   const c10::cuda::CUDAGuard guard(dev);
   load_kernels_once(dev.index());
@@ -121,23 +110,10 @@ std::tuple<at::Tensor, at::Tensor> forward(
   at::Tensor out = at::empty({T, H}, x.options());
   at::Tensor tpe = at::empty({L}, x.options().dtype(at::kInt));
 
-  mok_host::MokLaunchArgs a{};
-  a.R = R;
-  a.L = (int)L;
-  a.H = (int)H;
-  a.F = (int)F;
-  a.K = (int)K;
-  a.comm_sms = (int)comm_sms;
-  a.ring_slots = (int)ring_slots;
-  a.minibatch = (int)minibatch;
-  a.ctas_per_rank = (int)ctas;
-  a.stall_rank = (int)stall_rank;
-  a.stall_slot = (int)stall_slot;
-  a.device = dev.index();
-  a.timeout_ms = timeout_ms;
-  a.rank = (int)rank;
-  a.epoch = (unsigned)epoch;
   const std::vector<long long> Ts((size_t)R, (long long)T);  // equal on every rank (checked in the kernel)
+  mok_host::MokLaunchArgs a{};
+  fill_rank_launch(a, R, L, H, F, K, dev, Ts, rank, epoch, comm_sms, ring_slots, minibatch, ctas, timeout_ms,
+                   stall_rank, stall_slot, glu, glu_clamp, glu_offset, timeline, timeline_count);
   std::vector<unsigned long long> xs_, idx_, comb_, sig_, xq_, xsc_;
   if (R > 1) {
     xs_ = peer_ptrs(peer_bases, peer_offsets[kOffX]);
@@ -157,7 +133,6 @@ std::tuple<at::Tensor, at::Tensor> forward(
                                         out_ = own_only(R, (int)rank, ptr(out)),
                                         tpe_ = own_only(R, (int)rank, ptr(tpe)),
                                         saved_ = own_only(R, (int)rank, ptr(saved_h));
-  a.T = Ts.data();
   a.x = xs_.data();
   a.idx = idx_.data();
   a.w = w_.data();
@@ -195,29 +170,12 @@ std::tuple<at::Tensor, at::Tensor> forward(
     a.keep_act = ptr(*keep_act);
     a.keep_rows = keep_rows;
   }
-  if (timeline.has_value()) {
-    a.timeline = ptr(*timeline);
-    a.timeline_count = ptr(*timeline_count);
-    a.timeline_cap = (int)timeline->size(1);
-  }
-  a.glu = (int)glu;
-  a.glu_clamp = (float)glu_clamp;
-  a.glu_offset = (float)glu_offset;
   a.raster = (int)raster;
   a.macrobatches = (int)macrobatches;
   a.fast_silu = fast_silu ? 1 : 0;
   a.debug = (int)debug;
 
-  char eb[kErrLen] = {0};
-  const long long nbytes = mok_host::forward_workspace_bytes(&a, eb, kErrLen);
-  TORCH_CHECK_VALUE(nbytes >= 0, kOp, ": invalid launch: ", eb);
-  // per call from the caching allocator: stream-ordered reuse, and a captured launch's own graph-pool block
-  at::Tensor ws = at::empty({nbytes + 4096}, x.options().dtype(at::kByte));
-  a.workspace = ptr(ws);
-  a.workspace_bytes = (unsigned long long)ws.numel();
-  a.err = ptr(err);
-  check_launch(mok_host::forward_launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), kOp,
-               eb);
+  launch_with_workspace(kOp, a, &mok_host::forward_workspace_bytes, &mok_host::forward_launch, err, dev);
   return {out, tpe};
 }
 

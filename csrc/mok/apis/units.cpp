@@ -81,15 +81,7 @@ void fp8_grouped_gemm(const at::Tensor& xq, const at::Tensor& xs, at::TensorList
   a.ws = wsp.data();
   a.out = ptr(out);
   a.timeout_ms = timeout_ms;
-  char eb[kErrLen] = {0};
-  const long long nbytes = mok_host::fp8_gemm_workspace_bytes(&a, eb, kErrLen);
-  TORCH_CHECK_VALUE(nbytes >= 0, kOp, ": invalid launch: ", eb);
-  at::Tensor wsb = at::empty({nbytes + 256}, xq.options().dtype(at::kByte));
-  a.workspace = (ptr(wsb) + 255) / 256 * 256;
-  a.workspace_bytes = (unsigned long long)nbytes;
-  a.err = ptr(err);
-  check_launch(mok_host::fp8_gemm_launch(&a, c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen), kOp,
-               eb);
+  launch_with_workspace(kOp, a, &mok_host::fp8_gemm_workspace_bytes, &mok_host::fp8_gemm_launch, err, dev);
 }
 
 // scale_layout 0: row-major UE8M0 [M, H / 32]; 1: the sm_100 MMA's scale-factor layout as flat bytes

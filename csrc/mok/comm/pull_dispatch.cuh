@@ -188,13 +188,11 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
   const bool leader = threadIdx.x == 32;
   constexpr int kThreadsPulling = kInSmPullWarps * 32;
   for (int i = 1; i < nmb; ++i) {
-    MOK_PROGRESS(0x08000000u | (unsigned)(i & 0xFFFFFF));  // before minibatch i's slot-free wait
     if (i >= P.ring_slots) {
       if (leader) *s_flag = wait_slot_free(P, q, i) ? 1 : 0;
       named_bar_sync(kInSmPullBarrier, kThreadsPulling);
       if (!*s_flag) return;
     }
-    MOK_PROGRESS(0x09000000u | (unsigned)(i & 0xFFFFFF));  // pulling minibatch i
     const unsigned long long t0 = globaltimer_ns();
     pull_rows<kFp8, kInSmPullUnroll<kFp8>, kFeat>(P, q, i, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)

@@ -128,7 +128,6 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
   constexpr int bk = kFp8 ? kBKf8 : kBK;  // elements per K step (128 B either way)
   const CUtensorMap* amap = ti.kind == 1 ? tmap_ring(P, q) : tmap_act(P, q);
   for (int kb = 0; kb < ti.nk; ++kb) {
-    MOK_PROGRESS(0x12000000u | (unsigned)(ti.kind << 16) | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.empty[st], ph ^ 1u, q, 2);
     uint8_t* a_s = sm.stages + st * kStageBytes;
     uint8_t* b_s = a_s + kATileBytes;
@@ -226,7 +225,6 @@ __device__ __forceinline__ void skip_kloop(const Params& P, int q, const Compute
                                            uint32_t& ph) {
   const bool lead = (threadIdx.x & 127) == 0;
   for (int kb = 0; kb < nk; ++kb) {
-    MOK_PROGRESS(0x24000000u | (unsigned)(kb & 0xFFFF));
     if (lead) {
       mbar_wait(P, &sm.full[st], ph, q, 4);
       release_stage(sm, st);
@@ -256,10 +254,8 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
   while (true) {
     if (lt == 0) rel.before_wait(&sm.info_full[ii], iph);
     act_rel.before_wait(&sm.info_full[ii], iph, wg_bar, lt);
-    MOK_PROGRESS(0x20000000u | (unsigned)(ii | (iph << 1)));
     mbar_wait(P, &sm.info_full[ii], iph, q, 3);
     const TileInfo ti = sm.info[ii];
-    MOK_PROGRESS(0x21000000u | (unsigned)(ti.kind << 16) | (unsigned)(ti.mt & 0xFFFF));
     named_bar_sync(2 + wgc, 128);  // everyone in this WG has read the info slot
     if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
     if (++ii == 2) { ii = 0; iph ^= 1u; }
@@ -336,7 +332,6 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     fence_acc(acc);
     if (lt == 0) release_stage(sm, prev);
     }
-    MOK_PROGRESS(0x22000000u | (unsigned)(ti.kind << 16));
     const unsigned long long t_mma = P.timeline != nullptr ? globaltimer_ns() : 0ull;
 
     // ---------------- epilogue ----------------
@@ -453,25 +448,18 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
       for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
   }
   __syncthreads();
-  MOK_PROGRESS(0x04000000u);
-  MOK_PROGRESS(0x05000000u);
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {  // warp 0, lane 0: the producer
       ffn_producer<kFp8, kFeat>(P, q, sm);
-      MOK_PROGRESS(0x1F000000u);
     } else if (threadIdx.x >= 32) {  // warps 1-3: the in-SM pull (comm_sms == 0)
-      MOK_PROGRESS(0x06000000u);
       if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag);
-      MOK_PROGRESS(0x07000000u);
     }
     return false;
   } else {
     setmaxnreg_inc<224>();
     ffn_consumer<kFp8, kFeat>(P, q, sm, wg - 1);
-    MOK_PROGRESS(0x28000000u);
-    MOK_PROGRESS(0x29000000u);
     named_bar_sync(1, 256);
     if (threadIdx.x == 128) {
       if (!P.peer_sync) {

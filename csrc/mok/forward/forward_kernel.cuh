@@ -62,8 +62,6 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   fence_proxy_async_shared();  // the schedule's smem scratch is the stage ring's TMA destination next
   bool go = grid_barrier(P, 3, &s_flag) && !cta_aborted(P, &s_flag);  // incl. an owner over capacity
   if (kSrcQuant && P.peer_sync && go) go = peers_quantised(P, &s_flag);  // every peer's e4m3 copy is written
-  MOK_PROGRESS(0x01000000u);
-  MOK_PROGRESS(0x02000000u | (go ? 1u : 0u));
   if (!go) return;
   if (threadIdx.x == 0) timeline_record(P, kTlSchedule, 0, t_entry, globaltimer_ns());
 
@@ -95,9 +93,7 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     }
   } else {
     compute_pulls_first_minibatch<kFp8, kFeat>(P, q, local);  // every SM helps with the first slot
-    MOK_PROGRESS(0x03000000u);
     if (!compute_role<kFp8, kFeat>(P, q, smem)) return;  // producer warpgroup leaves here
-    MOK_PROGRESS(0x30000000u);
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
     if (threadIdx.x == 128) *flag = wait_all_computed(P, q, n_comp) ? 1 : 0;

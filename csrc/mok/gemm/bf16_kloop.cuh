@@ -20,7 +20,6 @@ __device__ __forceinline__ void bf16_kloop(const Params& P, int q, const Smem& s
   static_assert(kN == 256 || (kN == 128 && !kBMn), "bf16 K loop: m64n256 (B K- or MN-major) or m64n128 (B K-major)");
   const int lt = threadIdx.x & 127;
   for (int kb = 0; kb < nk; ++kb) {
-    MOK_PROGRESS(0x23000000u | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.full[st], ph, q, 4);
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBK * 2);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;

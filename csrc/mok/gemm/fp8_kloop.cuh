@@ -63,9 +63,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       }
       if (lt == 0) release_stage(sm, prev);
     }
-    MOK_PROGRESS(0x25000000u | (unsigned)(kb & 0xFFFF));
     mbar_wait(P, &sm.full[st], ph, q, 4);
-    MOK_PROGRESS(0x26000000u | (unsigned)(kb & 0xFFFF));
     const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
     const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
     const uint64_t da = make_smem_desc_sw128(a_s);

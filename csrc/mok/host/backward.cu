@@ -24,25 +24,11 @@ struct BwdWs {
 };
 
 bool validate(const MokBwdArgs* a, char* eb, int el) {
-  if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
-  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
-  if ((long long)a->R * a->L > MOK_MAX_EXPERTS) return !write_err(eb, el, "E=R*L exceeds %d", MOK_MAX_EXPERTS);
-  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
-  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
-  if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
-  if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS) return !write_err(eb, el, "ring_slots=%d", a->ring_slots);
-  if (a->minibatch < 1 || a->minibatch > (1 << 20)) return !write_err(eb, el, "minibatch=%d", a->minibatch);
+  if (!rank_launch_ok(a, eb, el)) return false;
   if (a->comm_sms < 1) return !write_err(eb, el, "comm_sms=%d must be >= 1", a->comm_sms);
-  if (a->rank < 0 || a->rank >= a->R) return !write_err(eb, el, "rank %d out of [0, %d)", a->rank, a->R);
   if (a->fp8 && (a->H % 128 || a->F % 128))
     return !write_err(eb, el, "fp8 dgrad: hidden H=%d and ffn F=%d must be multiples of 128 (block scales)", a->H,
                       a->F);
-  long long entries = 0;
-  for (int r = 0; r < a->R; ++r) {
-    if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
-    entries += a->T[r] * a->K;
-  }
-  if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
   // cap: rows of each owner's layout-order buffers, a capacity (>= entries: dropless worst case); the
   // kernel reports an owner that the routing sends more rows (kErrCapacity) before writing any
   if (a->cap < 1) return !write_err(eb, el, "cap=%lld must be >= 1", a->cap);
@@ -117,14 +103,12 @@ int backward_launch(const MokBwdArgs* a, cudaStream_t stream, char* errbuf, int 
   if (!validate(a, errbuf, errlen)) return 1;
   const int np = launch_parts(a);
   const int rank0 = a->rank;
-  if (has_peers(a)) {
-    if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
-    if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
+  if (!rank_peers_ok(a, errbuf, errlen)) return 1;
+  if (has_peers(a))
     for (int r = 0; r < a->R; ++r)
-      if (!a->signal[r] || !a->x[r] || !a->idx[r] || !a->w[r] || !a->grad_out[r] || !a->grad_buf[r])
-        return write_err(errbuf, errlen, "per-rank launch: rank %d's x / idx / w / grad_out / grad_buf / signal "
-                         "peer pointer is null", r);
-  }
+      if (!a->x[r] || !a->idx[r] || !a->w[r] || !a->grad_out[r] || !a->grad_buf[r])
+        return write_err(errbuf, errlen, "per-rank launch: rank %d's x / idx / w / grad_out / grad_buf peer pointer "
+                         "is null", r);
   if (a->fp8) {
     if (!a->saved_h) return write_err(errbuf, errlen, "fp8 dgrad needs the forward's saved fc1 output (saved_h)");
     if (!a->w2t8 || !a->w2ts || !a->w1t8 || !a->w1ts || !a->gyl8 || !a->gys || !a->dh8 || !a->dhs)
@@ -133,7 +117,6 @@ int backward_launch(const MokBwdArgs* a, cudaStream_t stream, char* errbuf, int 
   }
   if (a->act_kept && !a->saved_h)
     return write_err(errbuf, errlen, "act_kept needs saved_h (the recompute path writes act in its stage-1 epilogue)");
-  if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, errbuf, errlen)) return 1;
   PersistentGrid grid;
   if (persistent_grid(a->device, np, a->ctas_per_rank, a->comm_sms, &grid, errbuf, errlen)) return 1;
   const int cpr = grid.cpr;

@@ -34,19 +34,7 @@ struct WsLayout {
 int macrobatches(const MokLaunchArgs* a) { return a->macrobatches == 0 ? 1 : a->macrobatches; }
 
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
-  if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
-  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS)
-    return !write_err(eb, el, "local experts L=%d out of [1, %d]", a->L, MOK_MAX_LOCAL_EXPERTS);
-  if ((long long)a->R * a->L > MOK_MAX_EXPERTS) return !write_err(eb, el, "E=R*L exceeds %d", MOK_MAX_EXPERTS);
-  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
-  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
-  if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
-  if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, eb, el)) return false;
-  if (a->rank < 0 || a->rank >= a->R) return !write_err(eb, el, "rank %d out of [0, %d)", a->rank, a->R);
-  if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS)
-    return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
-  if (a->minibatch < 1 || a->minibatch > (1 << 20))
-    return !write_err(eb, el, "minibatch_tokens=%d out of [1, 2^20]", a->minibatch);
+  if (!rank_launch_ok(a, eb, el)) return false;
   if (a->comm_sms < 0)
     return !write_err(eb, el, "comm_sms=%d must be >= 0 (0: pull on the compute SMs' spare warps)", a->comm_sms);
   if (a->fp8 && (a->H % 128 || a->F % 128))
@@ -62,12 +50,6 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
                       a->minibatch);
   if (a->keep_x && a->keep_rows / a->minibatch >= (1 << 24))
     return !write_err(eb, el, "keep_rows=%lld holds >= 2^24 minibatches of %d rows", a->keep_rows, a->minibatch);
-  long long entries = 0;
-  for (int r = 0; r < a->R; ++r) {
-    if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
-    entries += a->T[r] * a->K;
-  }
-  if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
   const int B = macrobatches(a);
   if (B < 1 || B > 64) return !write_err(eb, el, "kernel.macrobatches must be an integer in [1, 64], got %d", B);
   if (B > 1 && a->R != 1)
@@ -194,12 +176,7 @@ int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, in
   // saved_h holds saved_h_rows rows per owner (a capacity: the kernel reports an owner routed more rows)
   if (a->saved_h && a->saved_h_rows < 1)
     return write_err(errbuf, errlen, "saved_h buffer needs >= 1 row, got %lld", a->saved_h_rows);
-  if (has_peers(a)) {
-    if (a->epoch == 0) return write_err(errbuf, errlen, "epoch must be >= 1 (call number)");
-    if (!a->signal) return write_err(errbuf, errlen, "per-rank launch needs every rank's signal pad");
-    for (int r = 0; r < a->R; ++r)
-      if (!a->signal[r]) return write_err(errbuf, errlen, "signal pad of rank %d is null", r);
-  }
+  if (!rank_peers_ok(a, errbuf, errlen)) return 1;
   PersistentGrid grid;
   if (persistent_grid(a->device, np, a->ctas_per_rank, a->comm_sms, &grid, errbuf, errlen)) return 1;
   const int cpr = grid.cpr;

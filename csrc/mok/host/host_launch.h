@@ -15,7 +15,9 @@
 #include <mutex>
 #include <vector>
 
+#include "host/launch_args.h"
 #include "host/param_upload.cuh"
+#include "mok_limits.h"
 
 namespace mok_host {
 
@@ -39,6 +41,41 @@ inline bool glu_args_ok(int glu, float clamp, float offset, char* eb, int el) {
   if (glu != 0 && glu != 1) return !write_err(eb, el, "glu must be 0 (plain SwiGLU) or 1 (clamp / offset), got %d", glu);
   if (glu && !(clamp > 0.0f)) return !write_err(eb, el, "glu_clamp must be > 0 (+inf: no clamp), got %g", clamp);
   if (glu && !(offset - offset == 0.0f)) return !write_err(eb, el, "glu_offset must be finite, got %g", offset);
+  return true;
+}
+
+// The checks every rank's launch of a megakernel shares (launch_args.h: MokRankLaunch): sizes within the kernel's
+// limits, the rank, the ring, the minibatch, the token counts and the SwiGLU variant. Each launcher adds its own.
+inline bool rank_launch_ok(const MokRankLaunch* a, char* eb, int el) {
+  if (a->R < 1 || a->R > MOK_MAX_RANKS) return !write_err(eb, el, "R=%d out of [1, %d]", a->R, MOK_MAX_RANKS);
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS)
+    return !write_err(eb, el, "local experts L=%d out of [1, %d]", a->L, MOK_MAX_LOCAL_EXPERTS);
+  if ((long long)a->R * a->L > MOK_MAX_EXPERTS) return !write_err(eb, el, "E=R*L exceeds %d", MOK_MAX_EXPERTS);
+  if (a->H < 64 || a->H % 64) return !write_err(eb, el, "hidden H=%d must be a positive multiple of 64", a->H);
+  if (a->F < 64 || a->F % 64) return !write_err(eb, el, "ffn F=%d must be a positive multiple of 64", a->F);
+  if (a->K < 1 || a->K > 64) return !write_err(eb, el, "top-k K=%d out of [1, 64]", a->K);
+  if (a->rank < 0 || a->rank >= a->R) return !write_err(eb, el, "rank %d out of [0, %d)", a->rank, a->R);
+  if (a->ring_slots < 1 || a->ring_slots > MOK_MAX_SLOTS)
+    return !write_err(eb, el, "ring_slots=%d out of [1, %d]", a->ring_slots, MOK_MAX_SLOTS);
+  if (a->minibatch < 1 || a->minibatch > (1 << 20))
+    return !write_err(eb, el, "minibatch_tokens=%d out of [1, 2^20]", a->minibatch);
+  if (!glu_args_ok(a->glu, a->glu_clamp, a->glu_offset, eb, el)) return false;
+  long long entries = 0;
+  for (int r = 0; r < a->R; ++r) {
+    if (a->T[r] < 0) return !write_err(eb, el, "T[%d] < 0", r);
+    entries += a->T[r] * a->K;
+  }
+  if (entries >= (1LL << 30)) return !write_err(eb, el, "too many (token, k) entries: %lld", entries);
+  return true;
+}
+
+// A launch that meets peer ranks (R > 1) needs the call number and every rank's signal pad.
+inline bool rank_peers_ok(const MokRankLaunch* a, char* eb, int el) {
+  if (a->R == 1) return true;
+  if (a->epoch == 0) return !write_err(eb, el, "epoch must be >= 1 (call number)");
+  if (!a->signal) return !write_err(eb, el, "per-rank launch needs every rank's signal pad");
+  for (int r = 0; r < a->R; ++r)
+    if (!a->signal[r]) return !write_err(eb, el, "signal pad of rank %d is null", r);
   return true;
 }
 

@@ -10,15 +10,38 @@
 
 namespace mok_host {
 
-// One rank's launch of the forward megakernel (rank of R; R = 1 needs no peer memory).
-struct MokLaunchArgs {
-  int R, L, H, F, K;
+// What every rank's launch of a megakernel (forward or backward) carries: the problem, the partition of the SMs,
+// the ring, the peers, the workspace, the optional timeline and the SwiGLU variant. Filled by one helper on the
+// operator side (apis/checks.h: fill_rank_launch) and validated by one function on the launcher side
+// (host/host_launch.h: rank_launch_ok).
+struct MokRankLaunch {
+  int R, L, H, F, K;                // ranks, local experts, hidden, ffn, top-k
   int comm_sms, ring_slots, minibatch;
-  int ctas_per_rank;  // 0 = auto: floor(num_sms / R)
-  int stall_rank, stall_slot;
+  int ctas_per_rank;                // 0 = auto: every SM of the device
+  int stall_rank, stall_slot;       // debug stall of one (rank, slot) (-1: none)
   int device;
   double timeout_ms;
   const long long* T;               // host [R] tokens per rank
+  int rank;                         // this launch runs rank `rank` of R (R = 1 needs no peer memory)
+  // R > 1 only (peers meet on signal pads):
+  unsigned epoch;                   // call number >= 1, the same on every rank (shared by forward and backward)
+  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;           // device int32[16], the error record (common.cuh: err[0..7])
+  // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
+  unsigned long long timeline;
+  unsigned long long timeline_count;
+  int timeline_cap;
+  // The SwiGLU variant (swiglu.cuh; Megatron's activation_func_clamp_value / glu_linear_offset): glu = 1 with
+  // glu_clamp > 0 (+inf: none) and a finite glu_offset; 0 = the plain SwiGLU (the lean kernel instance).
+  int glu;
+  float glu_clamp;
+  float glu_offset;
+};
+
+// One rank's launch of the forward megakernel.
+struct MokLaunchArgs : MokRankLaunch {
   const unsigned long long* x;      // host [R] device ptrs
   const unsigned long long* idx;    // host [R]
   const unsigned long long* w;      // host [R]
@@ -29,17 +52,6 @@ struct MokLaunchArgs {
   const long long* w1_ld;           // host [R*L] row stride (elements)
   const unsigned long long* w2;     // host [R*L] fc2 weight [H, F]
   const long long* w2_ld;           // host [R*L]
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;           // device int32[8]
-  int rank;                         // this launch runs rank `rank` of R
-  // R > 1 only (peers meet on signal pads):
-  unsigned epoch;                   // call number >= 1, the same on every rank
-  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
-  // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
-  unsigned long long timeline;
-  unsigned long long timeline_count;
-  int timeline_cap;
   // Optional: host [R] device ptrs (0 = none) of the owners' fc1-output buffers [saved_h_rows, 2F] bf16
   // (layout order) that the backward reads instead of recomputing fc1; only this launch's ranks' are used.
   const unsigned long long* saved_h;
@@ -64,11 +76,6 @@ struct MokLaunchArgs {
   // workspace and these are ignored.
   const unsigned long long* xq;
   const unsigned long long* xs;
-  // The SwiGLU variant (swiglu.cuh; Megatron's activation_func_clamp_value / glu_linear_offset): glu = 1 with
-  // glu_clamp > 0 (+inf: none) and a finite glu_offset; 0 = the plain SwiGLU (the lean kernel instance).
-  int glu;
-  float glu_clamp;
-  float glu_offset;
   // Tuning (config keys kernel.tile_raster / macrobatches / fast_silu; none changes a result bit but fast_silu):
   // raster: ticket order of a GEMM stage, 0 row-block major, 1 n-tile major, G in [2, 64] bands of G row blocks,
   // -1 the measured default (bf16 16: each wave's expert weights stay in L2, 2.6-5.4 % faster on the H200; fp8
@@ -83,15 +90,8 @@ struct MokLaunchArgs {
 };
 
 // One rank's launch of the backward megakernel (the mirror of the forward launch).
-struct MokBwdArgs {
-  int R, L, H, F, K;
-  int comm_sms, ring_slots, minibatch;
-  int ctas_per_rank;
-  int stall_rank, stall_slot;
-  int device;
-  double timeout_ms;
+struct MokBwdArgs : MokRankLaunch {
   long long cap;                      // rows of each rank's layout-order buffers
-  const long long* T;                 // host [R]
   const unsigned long long* x;        // host [R] device ptrs
   const unsigned long long* idx;
   const unsigned long long* w;
@@ -110,22 +110,12 @@ struct MokBwdArgs {
   const unsigned long long* w2;       // host [R*L] [H, F] row stride w2_ld (read MN-major, as stored)
   const long long* w2_ld;
   const unsigned long long* w2t;      // host [R*L] [F, H] contiguous W2^T: recompute path only (else 0)
-  unsigned long long workspace;
-  unsigned long long workspace_bytes;
-  unsigned long long err;             // device int32[8]
   // Optional host [R] (0 = recompute): forward's fc1 output [cap, 2F] bf16 in layout order (kept by the
   // forward kernel with saved_h); stage 1 then reads h instead of recomputing x @ W1^T.
   const unsigned long long* saved_h;
-  // Optional in-kernel timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
-  unsigned long long timeline;
-  unsigned long long timeline_count;
-  int timeline_cap;
   // x / idx / w / grad_out / grad_buf / signal are every rank's symmetric-memory pointers, the owner-side
   // arrays (xl, gyl, dh, act, saved_h, grad_x, grad_w, combine, tpe) only need this rank's entry, and
   // w1 / w1_ld / w2 / w2_ld / w2t hold this rank's L experts.
-  int rank;                           // this launch runs rank `rank` of R (R > 1: epoch and signal needed)
-  unsigned epoch;                     // call number >= 1, the same on every rank (shared with the forward's)
-  const unsigned long long* signal;   // host [R] every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
   // FP8 dgrad (kernel.dtype fp8; needs saved_h, H and F multiples of 128): fp8 = 1 and, per expert of this
   // launch (host [np*L], like w1 / w2), W2^T e4m3 [F, H] + scales [F/128, H/128] and W1^T e4m3 [H, 2F] +
   // scales [H/128, 2F/128], all contiguous; per rank (host [R], owner side as xl), gy and dH e4m3
@@ -147,10 +137,6 @@ struct MokBwdArgs {
   // rows (keep_act), not recomputed from h.
   int x_kept;
   int act_kept;
-  // The SwiGLU variant of the forward (MokLaunchArgs.glu / glu_clamp / glu_offset, swiglu.cuh).
-  int glu;
-  float glu_clamp;
-  float glu_offset;
 };
 
 // One launch of the wgrad kernel over the layout-order buffers a backward launch leaves.
@@ -172,7 +158,7 @@ struct MokWgradArgs {
   const long long* gw2_ld;
   unsigned long long workspace;
   unsigned long long workspace_bytes;
-  unsigned long long err;             // device int32[8]: the dgrad launch's record (not cleared here)
+  unsigned long long err;             // device int32[16]: the dgrad launch's record (not cleared here)
   // Home-side reductions of the preceding dgrad launch (made with defer_home = 1), 0 = none: per home
   // rank (host [home_parts]) T, grad_out [T, H], combine [T, K, H], grad_buf [T, K, H], idx [T, K] int32,
   // grad_w [T, K] fp32 and grad_x [T, H] outputs.
