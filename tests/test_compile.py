@@ -53,3 +53,24 @@ def test_layer_compiles_without_graph_breaks(layer, compiler):
     out.sum().backward()
     assert x.grad.shape == (T, H) and w.grad.shape == (T, K)
     assert all(p.grad.shape == p.shape for p in (*w1, *w2))
+
+
+def test_pending_error_records_are_not_read_while_tracing(layer, monkeypatch):
+    """Earlier eager launches leave error records pending in the lazy reader; a traced backward must not read them
+    (a data-dependent branch on a host copy breaks ``fullgraph=True``): the next eager call does."""
+    import torch._dynamo
+
+    from megatron_mok.kernel import errors
+
+    class Pending:
+        def poll(self, wait: bool = False) -> None:
+            raise AssertionError("an error record was read while tracing")
+
+    monkeypatch.setattr(errors, "_lazy", {0: Pending()})
+    torch._dynamo.reset()
+    (x, idx, w, w1, w2), run = layer
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x, idx, w, w1, w2)
+    out.sum().backward()
+    assert x.grad.shape == (T, H)
+    with pytest.raises(AssertionError, match="read while tracing"):
+        errors.check_pending_errors()  # eager calls still read them
