@@ -3,6 +3,7 @@ routings drawn from named distributions. A case is reproduced from its seed alon
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -41,16 +42,22 @@ def draw_case(
     hidden=(8, 16, 24),
     ffn=(4, 8, 12),
     tokens=(0, 40),
+    log_tokens: bool = False,
     minibatches=(1, 3, 8, 16, 64),
 ) -> Case:
     """One case from ``seed``: EP size from ``ranks``, local experts in the ``experts`` range, sizes from ``hidden`` /
-    ``ffn``, token counts per rank in the ``tokens`` range, the minibatch from ``minibatches``."""
+    ``ffn``, token counts per rank in the ``tokens`` range (``log_tokens``: log-uniform, so small and large counts are
+    drawn alike often), the minibatch from ``minibatches``."""
     rng = random.Random(seed)
     R = rng.choice(ranks)
     L = rng.randint(*experts)
     K = rng.randint(1, min(8, R * L))
     routing = rng.choice(ROUTINGS)
-    counts = [rng.randint(*tokens) for _ in range(R)]
+    if log_tokens:
+        lo, hi = max(tokens[0], 1), tokens[1]
+        counts = [min(hi, int(math.exp(rng.uniform(math.log(lo), math.log(hi + 1))))) for _ in range(R)]
+    else:
+        counts = [rng.randint(*tokens) for _ in range(R)]
     if routing == "empty_ranks" and R > 1:
         for r in rng.sample(range(R), rng.randint(1, R - 1)):
             counts[r] = 0

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from load_script import load_script
 
 from megatron_mok.config import load_config, min_minibatch_tokens
 from megatron_mok.tuner import candidate_grid
@@ -85,3 +86,17 @@ def test_tuner_refuses_a_dtype_without_a_kernel_here(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ValueError, match="kernel.dtype 'mxfp8' has no kernel"):
         tune(str(path), ep=48, tokens=64)
+
+
+def test_long_run_refuses_bad_options_in_one_line(capsys):
+    long_run = load_script("long_run")
+    for argv, needle in (
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--dtype", "fp16"], "unknown 'fp16'"),
+        (["--topk", "9", "--experts", "8"], "--topk 9 exceeds --experts 8"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            long_run.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert needle in err, err
