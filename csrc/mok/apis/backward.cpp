@@ -26,17 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const std::optional<at::Tensor>& timeline_count, int64_t rank, int64_t epoch, int64_t comm_sms,
     int64_t ring_slots, int64_t minibatch, int64_t ctas, double timeout_ms, int64_t glu, double glu_clamp,
     double glu_offset, bool defer_home, bool x_kept, bool act_kept, int64_t stall_rank, int64_t stall_slot) {
-  TORCH_CHECK_VALUE(x.defined() && x.is_cuda() && x.dim() == 2, kBwd,
-                    ": x must be a 2-D CUDA tensor [tokens, hidden], got ", x.defined() ? describe(x) : "nothing");
-  const at::Device dev = x.device();
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK_VALUE(topk_idx.dim() == 2, kBwd, ": topk_idx must be [tokens, top-k], got ", describe(topk_idx));
-  const int64_t K = topk_idx.size(1);
-  const int64_t L = (int64_t)w1.size();
-  TORCH_CHECK_VALUE(L >= 1 && (int64_t)w2.size() == L, kBwd, ": w1 and w2 must hold this rank's experts, got ",
-                    w1.size(), " and ", w2.size());
-  TORCH_CHECK_VALUE(w2[0].dim() == 2, kBwd, ": w2[0] must be [hidden, ffn], got ", describe(w2[0]));
-  const int64_t F = w2[0].size(1);
+  const auto [dev, T, H, K, L, F] = read_problem(kBwd, x, topk_idx, w1, w2);
   for (auto [name, t] : {std::pair<const char*, const at::Tensor*>{"x", &x}, {"grad_out", &grad_out}}) {
     check_shape(kBwd, name, *t, at::kBFloat16, {T, H}, dev);
     check_contiguous(kBwd, name, *t);
@@ -166,15 +156,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   a.dh = dh_.data();
   a.act = act_.data();
   a.signal = R > 1 ? sig_.data() : nullptr;
-  std::vector<unsigned long long> w1p((size_t)L), w2p((size_t)L), w2tp;
-  std::vector<long long> w1ld((size_t)L), w2ld((size_t)L);
-  for (int64_t e = 0; e < L; ++e) {
-    w1p[e] = ptr(w1[e]);
-    w2p[e] = ptr(w2[e]);
-    w1ld[e] = w1[e].stride(0);
-    w2ld[e] = w2[e].stride(0);
-    if (!saved_h.has_value()) w2tp.push_back(ptr(w2t[e]));
-  }
+  const std::vector<unsigned long long> w1p = ptrs(w1), w2p = ptrs(w2), w2tp = ptrs(w2t);
+  const std::vector<long long> w1ld = row_strides(w1), w2ld = row_strides(w2);
   a.w1 = w1p.data();
   a.w1_ld = w1ld.data();
   a.w2 = w2p.data();
@@ -184,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   std::vector<std::vector<unsigned long long>> f8w(4), f8b(4);
   if (fp8) {
     for (int k = 0; k < 4; ++k) {
-      for (int64_t e = 0; e < L; ++e) f8w[k].push_back(ptr(fp8_weights[k * L + e]));
+      f8w[k] = ptrs(fp8_weights.slice(k * L, L));
       f8b[k] = own_only(R, rk, ptr(fp8_buffers[k]));
     }
     a.fp8 = 1;

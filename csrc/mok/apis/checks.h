@@ -61,6 +61,40 @@ inline unsigned long long ptr(const at::Tensor& t) { return reinterpret_cast<uin
 
 inline unsigned long long ptr(const std::optional<at::Tensor>& t) { return t.has_value() ? ptr(*t) : 0ull; }
 
+// Device pointers and row strides (elements) of a list of matrices, e.g. one rank's experts.
+inline std::vector<unsigned long long> ptrs(at::TensorList ts) {
+  std::vector<unsigned long long> v;
+  v.reserve(ts.size());
+  for (const at::Tensor& t : ts) v.push_back(ptr(t));
+  return v;
+}
+
+inline std::vector<long long> row_strides(at::TensorList ts) {
+  std::vector<long long> v;
+  v.reserve(ts.size());
+  for (const at::Tensor& t : ts) v.push_back(t.stride(0));
+  return v;
+}
+
+// The problem a rank's megakernel launch computes, read from its operands: T tokens of hidden H (x), top-K
+// (topk_idx), L experts (w1, w2) of ffn F (w2[0] is [hidden, ffn]). Each operand's full check follows in the operator.
+struct Problem {
+  at::Device dev;
+  int64_t T, H, K, L, F;
+};
+
+inline Problem read_problem(const char* op, const at::Tensor& x, const at::Tensor& topk_idx, at::TensorList w1,
+                            at::TensorList w2) {
+  TORCH_CHECK_VALUE(x.defined() && x.is_cuda() && x.dim() == 2, op, ": x must be a 2-D CUDA tensor [tokens, hidden], got ",
+                    x.defined() ? describe(x) : "nothing");
+  TORCH_CHECK_VALUE(topk_idx.dim() == 2, op, ": topk_idx must be [tokens, top-k], got ", describe(topk_idx));
+  const int64_t L = (int64_t)w1.size();
+  TORCH_CHECK_VALUE(L >= 1 && (int64_t)w2.size() == L, op, ": w1 and w2 must hold this rank's experts, got ",
+                    w1.size(), " and ", w2.size());
+  TORCH_CHECK_VALUE(w2[0].dim() == 2, op, ": w2[0] must be [hidden, ffn], got ", describe(w2[0]));
+  return {x.device(), x.size(0), x.size(1), topk_idx.size(1), L, w2[0].size(1)};
+}
+
 // Device pointers of every rank's region: peer_bases[r] + offset.
 inline std::vector<unsigned long long> peer_ptrs(at::IntArrayRef bases, int64_t offset) {
   std::vector<unsigned long long> v(bases.size());

@@ -51,17 +51,7 @@ std::tuple<at::Tensor, at::Tensor> forward(
     const std::optional<at::Tensor>& timeline_count, int64_t rank, int64_t epoch, int64_t comm_sms, int64_t ring_slots,
     int64_t minibatch, int64_t ctas, double timeout_ms, int64_t glu, double glu_clamp, double glu_offset,
     int64_t raster, int64_t macrobatches, bool fast_silu, int64_t debug, int64_t stall_rank, int64_t stall_slot) {
-  TORCH_CHECK_VALUE(x.defined() && x.is_cuda() && x.dim() == 2, kOp, ": x must be a 2-D CUDA tensor [tokens, hidden], got ",
-                    x.defined() ? describe(x) : "nothing");
-  const at::Device dev = x.device();
-  const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK_VALUE(topk_idx.dim() == 2, kOp, ": topk_idx must be [tokens, top-k], got ", describe(topk_idx));
-  const int64_t K = topk_idx.size(1);
-  const int64_t L = (int64_t)w1.size();
-  TORCH_CHECK_VALUE(L >= 1 && (int64_t)w2.size() == L, kOp, ": w1 and w2 must hold this rank's experts, got ",
-                    w1.size(), " and ", w2.size());
-  TORCH_CHECK_VALUE(w2[0].dim() == 2, kOp, ": w2[0] must be [hidden, ffn], got ", describe(w2[0]));
-  const int64_t F = w2[0].size(1);
+  const auto [dev, T, H, K, L, F] = read_problem(kOp, x, topk_idx, w1, w2);
   const bool fp8 = w1[0].scalar_type() == at::kFloat8_e4m3fn;
   check_shape(kOp, "x", x, at::kBFloat16, {T, H}, dev);
   check_contiguous(kOp, "x", x);
@@ -140,18 +130,8 @@ std::tuple<at::Tensor, at::Tensor> forward(
   a.combine = comb_.data();
   a.tpe = tpe_.data();
   a.signal = R > 1 ? sig_.data() : nullptr;
-  std::vector<unsigned long long> w1p((size_t)L), w2p((size_t)L), w1sp, w2sp;
-  std::vector<long long> w1ld((size_t)L), w2ld((size_t)L);
-  for (int64_t e = 0; e < L; ++e) {
-    w1p[e] = ptr(w1[e]);
-    w2p[e] = ptr(w2[e]);
-    w1ld[e] = w1[e].stride(0);
-    w2ld[e] = w2[e].stride(0);
-    if (fp8) {
-      w1sp.push_back(ptr(w1_scale[e]));
-      w2sp.push_back(ptr(w2_scale[e]));
-    }
-  }
+  const std::vector<unsigned long long> w1p = ptrs(w1), w2p = ptrs(w2), w1sp = ptrs(w1_scale), w2sp = ptrs(w2_scale);
+  const std::vector<long long> w1ld = row_strides(w1), w2ld = row_strides(w2);
   a.w1 = w1p.data();
   a.w1_ld = w1ld.data();
   a.w2 = w2p.data();
