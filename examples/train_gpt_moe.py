@@ -14,13 +14,22 @@ import json
 import os
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if TYPE_CHECKING:
+    from megatron_mok.config import MokConfig
 
-def build_model(dispatcher: str, ep: int, args, device):
+
+def build_model(
+    dispatcher: str, ep: int, args: argparse.Namespace, device: torch.device, mok_config: MokConfig | None = None
+) -> torch.nn.Module:
+    """Megatron-Core's GPTModel (local spec, a MoE in every layer) from ``args``' shapes, seeded with ``args.seed``
+    so every dispatcher starts from the same weights; ``mok_config`` sets the MoK kernel settings
+    (None: the dispatcher picks them for the model's shapes)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -34,11 +43,13 @@ def build_model(dispatcher: str, ep: int, args, device):
         ep_size=ep,
         dispatcher=dispatcher,
         num_layers=args.layers,
-        num_attention_heads=4,
+        num_attention_heads=args.heads,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         dtype=args.torch_dtype,
     )
+    if mok_config is not None:
+        cfg.mok_config = mok_config
     spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
     mlp = spec.submodules.mlp
     moe_sub = mlp.keywords["submodules"]
@@ -62,6 +73,48 @@ def build_model(dispatcher: str, ep: int, args, device):
     return model.to(device)
 
 
+def synthetic_batch(
+    gen: torch.Generator, args: argparse.Namespace, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next micro-batch of synthetic next-token data from ``gen``: inputs and labels, [batch, seq] each.
+
+    Tokens are drawn on the host from ``gen`` so every dispatcher (and every device) sees the same data."""
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens = (tokens % 7) * (args.vocab // 7) + tokens[:, :1] % 3  # learnable structure
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def attention_inputs(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [batch, seq] and the causal attention mask [1, 1, seq, seq] (True: masked out)."""
+    pos = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
+    causal = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
+    return pos, causal
+
+
+def train_step(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    inp: torch.Tensor,
+    labels: torch.Tensor,
+    pos: torch.Tensor,
+    causal: torch.Tensor,
+    ws: int,
+) -> torch.Tensor:
+    """One training iteration (forward, loss, backward, optimizer step); returns the loss, still on the device,
+    so a caller that times the step decides when to synchronise."""
+    loss = model(inp, pos, attention_mask=causal, labels=labels).float().mean()
+    opt.zero_grad()
+    loss.backward()
+    # expert-parallel DP: non-expert grads are averaged over the EP ranks (same as Megatron DDP)
+    if ws > 1:
+        for name, p in model.named_parameters():
+            if p.grad is not None and "experts" not in name:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= ws
+    opt.step()
+    return loss.detach()
+
+
 def train(rank: int, ws: int, args) -> None:
     import megatron_mok
     from megatron_mok.testing import install_cpu_alltoall_shim
@@ -79,24 +132,11 @@ def train(rank: int, ws: int, args) -> None:
         model = build_model(dispatcher, ws, args, device)
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
         gen = torch.Generator().manual_seed(args.seed + 17 * rank)  # same data for both runs
+        pos, causal = attention_inputs(args, device)
         losses = []
         for _ in range(args.steps):
-            tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-            tokens = (tokens % 7) * (args.vocab // 7) + tokens[:, :1] % 3  # learnable structure
-            inp, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-            pos = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
-            causal = torch.triu(torch.ones(args.seq, args.seq, dtype=torch.bool, device=device), 1)[None, None]
-            loss = model(inp, pos, attention_mask=causal, labels=labels).float().mean()
-            opt.zero_grad()
-            loss.backward()
-            # expert-parallel DP: non-expert grads are averaged over the EP ranks (same as Megatron DDP)
-            if ws > 1:
-                for name, p in model.named_parameters():
-                    if p.grad is not None and "experts" not in name:
-                        torch.distributed.all_reduce(p.grad)
-                        p.grad /= ws
-            opt.step()
-            losses.append(float(loss))
+            inp, labels = synthetic_batch(gen, args, device)
+            losses.append(float(train_step(model, opt, inp, labels, pos, causal, ws)))
         curves[dispatcher] = losses
         param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
         if dispatcher == "mok":
@@ -113,18 +153,22 @@ def train(rank: int, ws: int, args) -> None:
             json.dump({**curves, "max_gap": gap, "mok_backend": backends, "param_dtypes": param_dtypes}, f)
 
 
-def loss_table(curves: dict[str, list[float]], backends: list, gap: float, rows: int = 10) -> str:
-    """Both loss curves side by side (every n-th step, the last one always), and their largest gap."""
-    n = len(curves["mok"])
+def loss_table(curves: dict[str, list[float]], backends: list, gap: float | None, rows: int = 10) -> str:
+    """The loss curves side by side (every n-th step, the last one always), and their largest gap (None: not
+    shown, as for a single curve); the columns follow ``curves``' order."""
+    names = list(curves)
+    n = len(curves[names[0]])
     steps = sorted({*range(0, n, max(1, n // rows)), n - 1})
-    lines = [f"{'step':>6} {'alltoall':>12} {'mok':>12}   (mok backend: {', '.join(map(str, backends))})"]
-    lines += [f"{i:>6} {curves['alltoall'][i]:>12.6f} {curves['mok'][i]:>12.6f}" for i in steps]
-    lines.append(f"largest gap between the curves over {n} steps: {gap:.3e}")
+    backend_note = f"   (mok backend: {', '.join(map(str, backends))})" if "mok" in curves else ""
+    lines = [f"{'step':>6}" + "".join(f" {name:>12}" for name in names) + backend_note]
+    lines += [f"{i:>6}" + "".join(f" {curves[name][i]:>12.6f}" for name in names) for i in steps]
+    if gap is not None:
+        lines.append(f"largest gap between the curves over {n} steps: {gap:.3e}")
     return "\n".join(lines)
 
 
 def plot_curves(curves: dict[str, list[float]], path: str) -> str:
-    """Both loss curves as a PNG (needs matplotlib: pip install 'megatron-mok[plot]')."""
+    """The loss curves as a PNG (needs matplotlib: pip install 'megatron-mok[plot]'); returns the line to print."""
     try:
         import matplotlib
 
@@ -133,8 +177,8 @@ def plot_curves(curves: dict[str, list[float]], path: str) -> str:
     except ImportError:
         return f"no plot: matplotlib is not installed (pip install 'megatron-mok[plot]'); {path} not written"
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in ("alltoall", "mok"):
-        ax.plot(curves[name], label=name, linestyle="-" if name == "alltoall" else "--")
+    for i, (name, losses) in enumerate(curves.items()):
+        ax.plot(losses, label=name, linestyle="-" if i == 0 else "--")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.legend()
@@ -159,6 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--ffn", type=int, default=32)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4, help="attention heads (must divide --hidden)")
     p.add_argument("--vocab", type=int, default=128)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
@@ -168,13 +213,15 @@ def main(argv=None) -> None:
     p.add_argument("--plot", default=None, help="save both loss curves as this PNG (needs matplotlib)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
     args = p.parse_args(argv)
-    for name in ("ep", "steps", "layers", "hidden", "ffn", "experts", "topk", "vocab", "seq", "batch"):
+    for name in ("ep", "steps", "layers", "hidden", "ffn", "experts", "topk", "heads", "vocab", "seq", "batch"):
         if getattr(args, name) < 1:
             _fail(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.experts % args.ep:
         _fail(f"--ep {args.ep} does not divide --experts {args.experts}")
     if args.topk > args.experts:
         _fail(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.hidden % args.heads:
+        _fail(f"--heads {args.heads} does not divide --hidden {args.hidden}")
     if not args.lr > 0:
         _fail(f"--lr must be > 0, got {args.lr}")
     args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
