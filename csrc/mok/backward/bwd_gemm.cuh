@@ -231,6 +231,29 @@ __device__ __forceinline__ void push_dx_tile(const BwdParams& P, int q, const BT
 // row r at r * 128, its 16-byte chunk (c / 8) XOR-ed with r % 8.
 __device__ __forceinline__ int sw128_offset(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 4) + ((c & 7) << 1); }
 
+// The consumers' side of the producer's two-entry tile-info ring: wait for the next tile, read it into `ti`, free its
+// entry (after this warpgroup's threads have read it); false at the producer's end mark (kind 0). Thread 128
+// releases its deferred counters before a wait and flushes them at the end.
+struct TileQueue {
+  int ii = 0;
+  uint32_t iph = 0;
+
+  __device__ __forceinline__ bool next(const Params& B, const BSmem& sm, int q, int wgc, int lt, DeferredRelease& rel,
+                                       BTile& ti) {
+    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
+    mbar_wait(B, &sm.info_full[ii], iph, q, 3);
+    ti = sm.info[ii];
+    named_bar_sync(2 + wgc, 128);
+    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
+    if (++ii == 2) { ii = 0; iph ^= 1u; }
+    if (ti.kind == 0) {
+      if (threadIdx.x == 128) rel.flush();
+      return false;
+    }
+    return true;
+  }
+};
+
 // ------------------------------------------------------------------------------------------------
 // Recompute variant (no saved h): stage 1 = loop G (fc1 recompute) + loop D (dA, n128), see above.
 // The end of a stage-1 tile (both consumers): its dh rows, stored generically or by TMA, fenced for the TMA
@@ -264,20 +287,11 @@ __device__ void bwd_consumer(const BwdParams& P, int q, const BSmem& sm, int wgc
   float acc[128];
   int st = 0;
   uint32_t ph = 0;
-  int ii = 0;
-  uint32_t iph = 0;
+  TileQueue tiles;
   DeferredRelease rel;  // thread 128 only
   while (true) {
-    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
-    mbar_wait(B, &sm.info_full[ii], iph, q, 3);
-    const BTile ti = sm.info[ii];
-    named_bar_sync(2 + wgc, 128);
-    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
-    if (++ii == 2) { ii = 0; iph ^= 1u; }
-    if (ti.kind == 0) {
-      if (threadIdx.x == 128) rel.flush();
-      break;
-    }
+    BTile ti;
+    if (!tiles.next(B, sm, q, wgc, lt, rel, ti)) break;
     const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
     const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
@@ -411,20 +425,11 @@ __device__ void bwd_consumer_saved(const BwdParams& P, int q, const BSmem& sm, i
   float acc[128];
   int st = 0;
   uint32_t ph = 0;
-  int ii = 0;
-  uint32_t iph = 0;
+  TileQueue tiles;
   DeferredRelease rel;  // thread 128 only
   while (true) {
-    if (threadIdx.x == 128) rel.before_wait(&sm.info_full[ii], iph);
-    mbar_wait(B, &sm.info_full[ii], iph, q, 3);
-    const BTile ti = sm.info[ii];
-    named_bar_sync(2 + wgc, 128);
-    if (lt == 0) Barrier::arrive(&sm.info_empty[ii]);
-    if (++ii == 2) { ii = 0; iph ^= 1u; }
-    if (ti.kind == 0) {
-      if (threadIdx.x == 128) rel.flush();
-      break;
-    }
+    BTile ti;
+    if (!tiles.next(B, sm, q, wgc, lt, rel, ti)) break;
     const bool rec = B.timeline != nullptr && lt == 0 && wgc == 0;  // one recorder per tile
     const unsigned long long t_tile = rec ? globaltimer_ns() : 0ull;
 
