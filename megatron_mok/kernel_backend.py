@@ -120,8 +120,11 @@ class KernelBackend:
         W^T copies, made once per weight version)."""
         if self.dtype != "fp8":
             return None
-        from .kernel.quant import Fp8WeightCache
+        from .kernel.errors import capturing
+        from .kernel.quant import Fp8WeightCache, quantize_expert_weights
 
+        if capturing():  # quantised inside the graph, so that every replay quantises the weights it reads then
+            return quantize_expert_weights([list(w1)], [list(w2)], transposed=transposed)
         if self._fp8_cache is None:
             self._fp8_cache = Fp8WeightCache()
         return self._fp8_cache.experts([list(w1)], [list(w2)], transposed=transposed)

@@ -243,9 +243,9 @@ def _lazy_checker(dev: int) -> _LazyErrorChecker:
 
 def check_pending_errors(wait: bool = False) -> None:
     """Raise MokKernelError if a launch made with ``check="lazy"`` recorded an error (``wait=True`` waits for all
-    such launches first). Nothing is read while torch.compile traces: the pending records are eager launches', and
-    the next eager MoK call reads them."""
-    if torch.compiler.is_compiling():
+    such launches first). Nothing is read while torch.compile traces or a CUDA graph captures (an event query there
+    invalidates the capture): the pending records are eager launches', and the next eager MoK call reads them."""
+    if torch.compiler.is_compiling() or capturing():
         return
     for checker in _lazy.values():
         checker.poll(wait=wait)
