@@ -288,7 +288,8 @@ def mok_backward(
                 tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=bufs.bwd_err,
                 rank=rank, timeout_ms=timeout_ms, home=home,
             )  # fmt: skip
-    bufs.epoch = epoch
+    if bufs.epoch != epoch:  # EP 1 stays at 0: no state changes, which a traced autograd node may not make
+        bufs.epoch = epoch
     errors.after_launch(bufs.bwd_err, stream, check, errors.backward_message(world, L, timeout_ms))
     if wgrad in ("mm", "grouped"):
         with on_stream(stream):

@@ -146,7 +146,8 @@ def mok_forward(
             gpu_events[1].record()
     if keep is not None:
         keep.filled = True  # this launch lays the rows out (stream-ordered before any backward)
-    bufs.epoch = epoch
+    if bufs.epoch != epoch:  # EP 1 stays at 0: no state changes, which a traced autograd node may not make
+        bufs.epoch = epoch
     errors.after_launch(bufs.err, stream, check, errors.forward_message(world, L, timeout_ms))
     return out, combine, tpe
 
