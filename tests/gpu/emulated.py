@@ -77,24 +77,6 @@ def _ranks(R: int, T: int, H: int, K: int, device, fp8: bool):
     return bufs, _STREAMS[device, R]
 
 
-def _warm_allocator(device, nbytes: int) -> None:
-    """Hand the caching allocator ``nbytes`` of free memory (one large block, and small blocks) before R ranks
-    launch on one GPU: a device memory allocation between two launches serialises the streams (CUDA's implicit
-    synchronisation), so rank q's kernel would wait for the earlier ranks' kernels, which wait for rank q, until the
-    timeout. The launches then take their buffers from cached blocks."""
-    big = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    small = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(64)]
-    del big, small
-
-
-def _launch_bytes(R: int, T: int, H: int, F: int, K: int, L: int) -> int:
-    """A generous bound of what R ranks' launches allocate: per rank the owner rows (every routed row of every rank:
-    x, grad_out, dH, act), the token-sized outputs, the weight gradients in fp32, and a workspace."""
-    cap = max(1, R * T * K)
-    per_rank = cap * (2 * H + 3 * F) * 2 + 4 * T * H * 2 + T * K * 8 + L * 3 * F * H * 4 + (256 << 20)
-    return R * per_rank
-
-
 def _run_ranks(streams, launch, R: int):
     """launch(q) on stream q for every rank, ordered after the current stream's work and before its later work."""
     cur = torch.cuda.current_stream()
@@ -172,8 +154,6 @@ def mok_forward_emulated(
             gpu_events=gpu_events,
         )  # fmt: skip
 
-    if R > 1:
-        _warm_allocator(device, _launch_bytes(R, T, H, w2[0][0].shape[1], K, len(w1[0])))
     outs = _run_ranks(streams, launch, R)
     _check(bufs, streams, check, errors.forward_message(R, len(w1[0]), timeout_ms), backward=False)
     out = [o[0][: Ts[r]] for r, o in enumerate(outs)]
@@ -240,8 +220,6 @@ def mok_backward_emulated(
             debug_stall=debug_stall,
         )  # fmt: skip
 
-    if R > 1:
-        _warm_allocator(device, _launch_bytes(R, T, H, w2[0][0].shape[1], K, len(w1[0])))
     outs = _run_ranks(streams, launch, R)
     _check(bufs, streams, check, errors.backward_message(R, len(w1[0]), timeout_ms), backward=True)
     gx = [o[0][: Ts[r]] for r, o in enumerate(outs)]
