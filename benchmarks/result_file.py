@@ -1,10 +1,15 @@
 """The result file a benchmark writes with ``--json PATH``: its figures with what produced them (the command,
-the GPU, torch / CUDA, the source revision when the checkout is a git repository, the time), so a published
-figure and its evidence are one file (``docs/results/``)."""
+the GPU, torch / CUDA, the git revision when the checkout is a git repository, a hash of the sources, the time),
+so a published figure and its evidence are one file (``docs/results/``).
+
+The hash covers the sources that decide a figure (``SOURCE_DIRS``), as they are on disk: a copy of the tree without
+its git history, or with uncommitted changes, still names exactly what ran. ``python benchmarks/result_file.py``
+prints this checkout's hash, to compare with a result file's ``sources_sha256``."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import shlex
@@ -26,6 +31,27 @@ def _revision() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+SOURCE_DIRS = ("megatron_mok", "csrc", "benchmarks", "tools", "examples")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh", ".cpp", ".h", ".yaml")
+
+
+def sources_sha256(root: Path = _ROOT) -> str:
+    """sha256 over the relative path and the bytes of every source file under ``SOURCE_DIRS``, in path order."""
+    h = hashlib.sha256()
+    files = sorted(
+        p
+        for d in SOURCE_DIRS
+        for p in (root / d).rglob("*")
+        if p.is_file() and p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts
+    )
+    for p in files:
+        rel = p.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "little") + rel)
+        data = p.read_bytes()
+        h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
 def environment() -> dict[str, Any]:
     """The GPU, its SM count and clocks' context, torch and CUDA versions."""
     import torch
@@ -41,11 +67,12 @@ def environment() -> dict[str, Any]:
 
 def write_result(path: str | os.PathLike, benchmark: str, figures: Any, **context: Any) -> None:
     """Write ``figures`` (JSON-serialisable) to ``path`` with the benchmark's name, its command line, the
-    environment and the revision; ``context`` adds fields (the shapes, the settings)."""
+    environment, the revision and the sources' hash; ``context`` adds fields (the shapes, the settings)."""
     record = {
         "benchmark": benchmark,
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
         "revision": _revision(),
+        "sources_sha256": sources_sha256(),
         "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         **environment(),
         **context,
@@ -54,3 +81,7 @@ def write_result(path: str | os.PathLike, benchmark: str, figures: Any, **contex
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(record, indent=1) + "\n")
     print(f"result file: {path}", flush=True)
+
+
+if __name__ == "__main__":
+    print(sources_sha256())

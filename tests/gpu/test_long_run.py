@@ -20,7 +20,6 @@ pytestmark = pytest.mark.gpu
 def test_a_thousand_steps_keep_memory_and_step_time_flat(kernel, dtype):
     long_run = load_script("long_run")
     (r,) = long_run.main(["--dtype", dtype, "--steps", "1000", "--warmup", "100"])
-    print(long_run.summary(r))
     assert r["backend"] == ["kernel"], r["backend"]
     assert r["memory_end_bytes"] == r["memory_after_warmup_bytes"], long_run.summary(r)
     assert r["device_max_over_median"] <= long_run.MAX_STEP_OVER_MEDIAN, long_run.summary(r)

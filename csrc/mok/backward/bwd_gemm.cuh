@@ -635,8 +635,7 @@ __device__ bool bwd_compute_role(const BwdParams& P, int q, uint8_t* smem) {
       __threadfence();
       // per-rank launch: the last compute CTA of this rank tells every peer its pushes have landed
       const unsigned n_comp = (unsigned)(P.base.ctas_per_rank - P.base.comm_sms);
-      if (atom_add_acq_rel_gpu(c_compute_done(P), 1u) == n_comp - 1 && P.base.peer_sync)
-        signal_peers(P.base, q, kSigDone);
+      if (atom_add_acq_rel_gpu(c_compute_done(P), 1u) == n_comp - 1 && P.base.peer_sync) signal_done(P.base, q);
     }
     return true;
   }

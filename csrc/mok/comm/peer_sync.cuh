@@ -33,6 +33,13 @@ __device__ __forceinline__ void signal_peers(const Params& P, int self, int kind
   }
 }
 
+// One thread, the last compute CTA of a rank: tell every peer that this rank's pushes have landed -- unless this
+// launch recorded an error, after which its consumers left their loops and some pushes never happened. The peers'
+// compute-done wait then times out naming this rank, so every rank reports instead of summing partial rows.
+__device__ __forceinline__ void signal_done(const Params& P, int self) {
+  if (!aborted(P)) signal_peers(P, self, kSigDone);
+}
+
 // One thread: wait until every peer's `kind` signal reached this call's epoch. On timeout records
 // {rank self, phase, expected epoch, seen, extra = the peer that did not arrive}. For start, also
 // checks that every peer runs the same token count (the schedule indexes its buffers by it).

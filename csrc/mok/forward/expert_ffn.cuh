@@ -467,10 +467,10 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
         red_release_gpu_add(ctr_compute_done(P), 1u);
       } else {
         // pushes went to peers' memory: make them visible system-wide, then the last compute CTA of
-        // this rank tells every home rank that this rank's outputs have landed
+        // this rank tells every home rank that this rank's outputs have landed (peer_sync.cuh: signal_done)
         __threadfence_system();
         const unsigned n_comp = (unsigned)(P.nparts * (P.ctas_per_rank - P.comm_sms));
-        if (atom_add_acq_rel_gpu(ctr_compute_done(P), 1u) == n_comp - 1) signal_peers(P, q, kSigDone);
+        if (atom_add_acq_rel_gpu(ctr_compute_done(P), 1u) == n_comp - 1) signal_done(P, q);
       }
     }
     return true;
