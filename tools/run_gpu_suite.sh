@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The ONE command sequence for the H200 device machine: install carried wheels, build the MoK
+# The command sequence for a Hopper GPU machine: install carried wheels (.whl/), build the MoK
 # library, run the GPU tests, record the kernel timeline, run the benchmark. Logs go to $OUT (or ./gpu_logs).
 #   bash tools/run_gpu_suite.sh [extra args for bench_forward.py]
 # Env: MOK_SUITE_TESTS=0 skips tests, MOK_SUITE_TIMELINE=0 the kimi-k2 timelines (forward, backward),
