@@ -14,6 +14,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # waits for the next rank's launch, and CUDA's lazy loading of a kernel first used in between (a torch kernel that
 # prepares the next rank's inputs) waits for the running kernels -- a deadlock until the timeout. Load eagerly.
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# The same ranks' streams (up to 8, beside the current stream) should not share a hardware work queue: with CUDA's
+# default of 8, rank q's backward can queue behind rank p's wgrad kernel, which waits for rank p's backward, which
+# waits for rank q to start.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
