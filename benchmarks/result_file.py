@@ -21,14 +21,22 @@ from typing import Any
 _ROOT = Path(__file__).resolve().parent.parent
 
 
-def _revision() -> str | None:
+def _git(root: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "-C", str(_ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
-        )
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def revision(root: Path = _ROOT) -> str | None:
+    """The checkout's HEAD, with "+modified" when tracked files differ from it (a copy of a working tree can carry a
+    stale git directory: then the sources' hash is what names the code), or None outside git."""
+    head = _git(root, "rev-parse", "--short=12", "HEAD")
+    if not head:
+        return None
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return head + ("+modified" if dirty else "")
 
 
 SOURCE_DIRS = ("megatron_mok", "csrc", "benchmarks", "tools", "examples")
@@ -71,7 +79,7 @@ def write_result(path: str | os.PathLike, benchmark: str, figures: Any, **contex
     record = {
         "benchmark": benchmark,
         "command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], _ROOT), *sys.argv[1:]]),
-        "revision": _revision(),
+        "revision": revision(),
         "sources_sha256": sources_sha256(),
         "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         **environment(),

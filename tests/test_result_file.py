@@ -32,3 +32,19 @@ def test_sources_hash_changes_with_any_source_and_only_with_sources(tmp_path):
     kernel = tmp_path / "csrc" / "mok" / "common.cuh"
     kernel.write_text(kernel.read_text() + "\n")
     assert result_file.sources_sha256(tmp_path) != base
+
+
+def test_revision_says_when_the_tree_differs_from_its_head(tmp_path):
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a")
+    clean = result_file.revision(tmp_path)
+    assert clean is not None and len(clean) == 12
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert result_file.revision(tmp_path) == clean + "+modified"
