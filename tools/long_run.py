@@ -75,6 +75,7 @@ def build_layer(dtype: str, hidden: int, ffn: int, experts: int, topk: int) -> t
 
 def run(dtype: str, steps: int, warmup: int, tokens: int, hidden: int, ffn: int, experts: int, topk: int) -> dict:
     """``steps`` forward + backward steps after ``warmup`` ones; the figures and whether they pass."""
+    torch.cuda.reset_peak_memory_stats()  # this dtype's peak, not an earlier run's
     layer = build_layer(dtype, hidden, ffn, experts, topk)
     gen = torch.Generator(device="cuda").manual_seed(1)
 

@@ -1,7 +1,7 @@
 """GPU: a Megatron MoE layer built with ``moe_token_dispatcher_type="mok"`` is bitwise deterministic run to run.
 
 Same weights, same inputs, forward + backward again and again (with a launch of another token count in between,
-which leaves other contents in the kernels' cached workspaces), and once more on a second layer rebuilt from the
+which leaves other contents in the caching allocator's blocks the workspaces come from), and once more on a second layer rebuilt from the
 first one's state dict (new parameter objects: the FP8 weight copies are quantised afresh): the output, the input
 gradient, the router weight's gradient and every expert weight's gradient must be the same bits every time, for the
 bf16 and the FP8 kernel, with the forward's dedicated pull SMs and with the in-SM pull, and with the expert weight

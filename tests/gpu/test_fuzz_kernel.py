@@ -9,8 +9,9 @@
   (tests/gpu/mok_truth.py) at sizes of multiples of 128, 1-16 experts per rank, up to 4096 tokens per rank.
 
 ``--fuzz-cases N`` / ``--fuzz-seed S`` run other cases (N of each test); every failure names its seed. Poison: before
-each launch the caching allocator is handed NaN-filled blocks of exactly the outputs' sizes, which the operators'
-output allocations then reuse, so an element a kernel leaves unwritten reads NaN and fails the finite check.
+each launch the caching allocator is handed NaN-filled blocks of exactly the outputs' sizes on every rank's stream,
+which the operators' output allocations then reuse, so an element a kernel leaves unwritten reads NaN and fails the
+finite check (best effort: another allocation of the same size can take a block first).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import emulated  # noqa: E402
 from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from fuzz import Case, draw_case, draw_routing  # noqa: E402
 from mok_truth import ground_truth_fp8, ground_truth_fp8_backward, rel_err  # noqa: E402
@@ -55,11 +57,18 @@ def _draw(seed: int, fp8: bool) -> Case:
     )  # fmt: skip
 
 
-def _poison(shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
-    """Hand the caching allocator NaN-filled blocks of these sizes (two of each): the next allocations of the same
-    sizes on this stream reuse them."""
-    blocks = [torch.full(s, float("nan"), dtype=d, device="cuda") for s, d in shapes for _ in range(2)]
-    del blocks
+def _poison(R: int, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Hand the caching allocator NaN-filled blocks of these sizes (two of each) on every stream the R ranks launch on
+    (the allocator reuses a freed block only on the stream it was allocated on): the next allocations of the same
+    sizes there reuse them. Best effort: another allocation of the same size can take a block first."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = [torch.cuda.current_stream(dev)]
+    if R > 1:  # the fixture's rank streams (emulated._ranks makes them the same way on first use)
+        streams = emulated._STREAMS.setdefault((dev, R), [torch.cuda.Stream(dev) for _ in range(R)])
+    for st in streams:
+        with torch.cuda.stream(st):
+            blocks = [torch.full(s, float("nan"), dtype=d, device=dev) for s, d in shapes for _ in range(2)]
+            del blocks
 
 
 def _inputs(case: Case, seed: int):
@@ -123,9 +132,9 @@ def test_bf16_kernels_equal_the_reference(kernel, seed):
     xs, idx, ws, w1, w2, gos = _inputs(case, seed)
     cfg = dict(ring_slots=case.ring_slots, minibatch_tokens=case.minibatch, timeout_ms=5000.0)
     comm = seed % 3
-    _poison(_output_shapes(case))
+    _poison(case.R, _output_shapes(case))
     out, comb, _ = mok_forward_emulated(xs, idx, ws, _per_rank(case, w1), _per_rank(case, w2), comm_sms=comm, **cfg)
-    _poison(_output_shapes(case))
+    _poison(case.R, _output_shapes(case))
     gx, gw, g1, g2 = mok_backward_emulated(
         gos, xs, idx, ws, comb, _per_rank(case, w1), _per_rank(case, w2), comm_sms=2, **cfg
     )
@@ -151,10 +160,10 @@ def test_fp8_kernels_equal_the_recipe(kernel, seed):
     saved = [torch.full((rows, 2 * case.F), 7.0, dtype=torch.bfloat16, device="cuda") for _ in range(case.R)]
     cfg = dict(ring_slots=case.ring_slots, minibatch_tokens=case.minibatch, timeout_ms=5000.0)
     comm = seed % 3
-    _poison(_output_shapes(case))
+    _poison(case.R, _output_shapes(case))
     out, comb, tpe = mok_forward_emulated(xs, idx, ws, w1r, w2r, comm_sms=comm, fp8=q8, saved_h=saved, **cfg)
     comb = [c.view(T, case.K, case.H) for c, T in zip(comb, case.tokens)]
-    _poison(_output_shapes(case))
+    _poison(case.R, _output_shapes(case))
     gx, gw, g1, g2 = mok_backward_emulated(gos, xs, idx, ws, comb, w1r, w2r, comm_sms=2, saved_h=saved, fp8=q8, **cfg)
     torch.cuda.synchronize()
     r_out, _, _ = ground_truth_fp8(xs, idx, ws, w1r, w2r)

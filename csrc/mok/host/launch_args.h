@@ -23,12 +23,12 @@ struct MokRankLaunch {
   double timeout_ms;
   const long long* T;               // host [R] tokens per rank
   int rank;                         // this launch runs rank `rank` of R (R = 1 needs no peer memory)
-  // R > 1 only (peers meet on signal pads):
-  unsigned epoch;                   // call number >= 1, the same on every rank (shared by forward and backward)
-  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
   unsigned long long workspace;
   unsigned long long workspace_bytes;
   unsigned long long err;           // device int32[16], the error record (common.cuh: err[0..7])
+  // R > 1 only (peers meet on signal pads):
+  unsigned epoch;                   // call number >= 1, the same on every rank (shared by forward and backward)
+  const unsigned long long* signal; // host [R] device ptrs of every rank's signal pad (uint32[4*72], common.cuh: SignalKind)
   // Optional timeline (timeline.cuh): events [grid][timeline_cap] and per-CTA counts [grid]; 0 = off.
   unsigned long long timeline;
   unsigned long long timeline_count;
