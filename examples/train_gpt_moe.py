@@ -9,7 +9,6 @@ synthetic next-token data; prints both loss curves and their largest gap.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -31,9 +30,8 @@ def build_model(
     so every dispatcher starts from the same weights; ``mok_config`` sets the MoK kernel settings
     (None: the dispatcher picks them for the model's shapes)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_mok.testing import make_portable_router, moe_transformer_config
+    from megatron_mok.testing import gpt_moe_layer_spec, moe_transformer_config
 
     cfg = moe_transformer_config(
         hidden_size=args.hidden,
@@ -50,14 +48,7 @@ def build_model(
     )
     if mok_config is not None:
         cfg.mok_config = mok_config
-    spec = get_gpt_layer_local_spec(num_experts=args.experts, moe_grouped_gemm=False)
-    mlp = spec.submodules.mlp
-    moe_sub = mlp.keywords["submodules"]
-    spec.submodules.mlp = type(mlp)(
-        mlp.func,
-        *mlp.args,
-        **{**mlp.keywords, "submodules": dataclasses.replace(moe_sub, router=make_portable_router())},
-    )
+    spec = gpt_moe_layer_spec(args.experts)
     torch.manual_seed(args.seed)
     model = GPTModel(
         config=cfg,

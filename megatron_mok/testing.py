@@ -112,6 +112,27 @@ def build_moe_layer(config: Any, router: type | None = None, grouped_gemm: bool 
     return MoELayer(config, submodules)
 
 
+def gpt_moe_layer_spec(num_experts: int) -> Any:
+    """Megatron's local (no-TE) GPT layer spec with a MoE of SequentialMLP experts, its router the portable one (a GPT
+    model that runs on CPU over gloo as well as on a GPU)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
+    mlp = spec.submodules.mlp
+    moe = dataclasses.replace(mlp.keywords["submodules"], router=make_portable_router())
+    spec.submodules.mlp = type(mlp)(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    return spec
+
+
+def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = 1e-5) -> None:
+    """Gradients through a whole model: elementwise, the absolute tolerance relative to the gradient's largest entry.
+    fp32 sums taken in another order (MoK's top-k sum against Megatron's unpermute) differ by up to ~1e-6 of that
+    entry, also where contributions cancel, so a relative tolerance alone fails on noise there; a fixed absolute one
+    would let whole gradients of ~1e-6 (a mean loss over a few tokens) pass unchecked."""
+    atol = rtol * float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what} {m}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,31 +6,19 @@ every parameter's gradient, the MTP layer's included (it only gets gradients thr
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from megatron_mok.testing import make_portable_router, moe_transformer_config, spawn
+from megatron_mok.testing import assert_grad_close, gpt_moe_layer_spec, moe_transformer_config, spawn
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_RTOL = 1e-5
 LAYERS, VOCAB, SEQ, BATCH = 2, 128, 16, 2
-
-
-def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Elementwise, with the absolute tolerance relative to the gradient's largest entry. Through a whole model,
-    fp32 sums taken in another order (MoK's top-k sum against Megatron's unpermute) differ by up to ~1e-6 of
-    that entry, also in entries where contributions cancel, so a relative tolerance alone fails on noise there;
-    a fixed absolute one would let whole gradients of ~1e-6 (a mean loss over a few tokens) pass unchecked."""
-    atol = GRAD_RTOL * float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=atol, msg=lambda m: f"{what} {m}")
 
 
 def _model(dispatcher: str, ep: int) -> torch.nn.Module:
     """GPTModel (local spec, a MoE in every layer) with one MTP layer built from the decoder's layer spec."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     config = moe_transformer_config(
         ep_size=ep,
@@ -42,10 +30,7 @@ def _model(dispatcher: str, ep: int) -> torch.nn.Module:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
     )
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    mlp = spec.submodules.mlp
-    moe = dataclasses.replace(mlp.keywords["submodules"], router=make_portable_router())
-    spec.submodules.mlp = type(mlp)(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    spec = gpt_moe_layer_spec(config.num_moe_experts)
     mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
     torch.manual_seed(1234)
     return GPTModel(
@@ -113,7 +98,7 @@ def _compare(rank: int, ws: int) -> None:
         assert p.grad is not None, f"rank {rank}: {name} has no gradient under alltoall"
         q = got[name].grad
         assert q is not None, f"rank {rank}: {name} has no gradient under mok"
-        _assert_grad_close(q, p.grad, f"rank {rank}: {name} grad")
+        assert_grad_close(q, p.grad, f"rank {rank}: {name} grad")
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ the schedule call) places such tensors on the CPU instead; nothing else in the s
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,20 +24,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_mok.testing import free_port, make_portable_router, moe_transformer_config
+from megatron_mok.testing import assert_grad_close, free_port, gpt_moe_layer_spec, moe_transformer_config
 
 TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_RTOL = 1e-5
 LAYERS, VOCAB, SEQ, MICRO_BATCH, MICROBATCHES = 4, 128, 16, 2, 4
-
-
-def _assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Elementwise, with the absolute tolerance relative to the gradient's largest entry. Through a whole model,
-    fp32 sums taken in another order (MoK's top-k sum against Megatron's unpermute) differ by up to ~1e-6 of
-    that entry, also in entries where contributions cancel, so a relative tolerance alone fails on noise there;
-    a fixed absolute one would let whole gradients of ~1e-6 (a mean loss over a few tokens) pass unchecked."""
-    atol = GRAD_RTOL * float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=atol, msg=lambda m: f"{what} {m}")
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
@@ -56,7 +45,6 @@ def _stage_model(dispatcher: str, ep: int) -> torch.nn.Module:
     """This pipeline stage's part of a GPTModel (local spec, a MoE in every layer, untied output layer)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = moe_transformer_config(
         ep_size=ep,
@@ -69,10 +57,7 @@ def _stage_model(dispatcher: str, ep: int) -> torch.nn.Module:
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
     )
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    mlp = spec.submodules.mlp
-    moe = dataclasses.replace(mlp.keywords["submodules"], router=make_portable_router())
-    spec.submodules.mlp = type(mlp)(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": moe})
+    spec = gpt_moe_layer_spec(config.num_moe_experts)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -176,7 +161,7 @@ def _compare(rank: int, world_size: int, port: int) -> None:
             assert p.grad is not None, f"{where}: {name} has no gradient under alltoall"
             q = got[name].grad
             assert q is not None, f"{where}: {name} has no gradient under mok"
-            _assert_grad_close(q, p.grad, f"{where}: {name} grad")
+            assert_grad_close(q, p.grad, f"{where}: {name} grad")
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
