@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from load_script import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "train_throughput.py"
 TINY = [
     "--hidden", "64", "--ffn", "32", "--experts", "4", "--topk", "2", "--layers", "1", "--heads", "4",
     "--seq", "16", "--batch", "2", "--vocab", "128", "--steps", "2", "--warmup", "1", "--dtype", "fp32",
@@ -18,13 +15,7 @@ TINY = [
 
 
 def _load() -> ModuleType:
-    # benchmarks/ is not a package: load the script as a module, as ``python benchmarks/...`` would run it
-    spec = importlib.util.spec_from_file_location("train_throughput", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_throughput"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("train_throughput", "benchmarks")
 
 
 def test_both_dispatchers_timed_on_the_same_model_and_data(tmp_path, capsys):
