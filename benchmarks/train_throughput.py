@@ -137,23 +137,11 @@ def mok_config_for(args: argparse.Namespace) -> MokConfig | None:
 
 
 def _init_process_group(cuda: bool) -> tuple[bool, bool]:
-    """A one-rank process group and Megatron's parallel state (TP = PP = EP = 1), each unless the caller (a test
-    process) has it already; returns which of the two were made here, to be destroyed here."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    """A one-rank process group and Megatron's parallel state, each unless the caller (a test process) has it
+    already; returns which of the two were made here, to be destroyed here."""
+    from megatron_mok.testing import init_one_rank
 
-    from megatron_mok.testing import free_port
-
-    made_group = not dist.is_initialized()
-    if made_group:
-        # an address of its own: a MASTER_PORT in the environment may belong to another job
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
-    made_state = not parallel_state.model_parallel_is_initialized()
-    if made_state:
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    return made_group, made_state
+    return init_one_rank("nccl" if cuda else "gloo")
 
 
 def _destroy_process_group(made_group: bool, made_state: bool) -> None:

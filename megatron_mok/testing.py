@@ -112,6 +112,23 @@ def build_moe_layer(config: Any, router: type | None = None, grouped_gemm: bool 
     return MoELayer(config, submodules)
 
 
+def init_one_rank(backend: str = "nccl") -> tuple[bool, bool]:
+    """This process as the only rank of a process group (on an address of its own: a MASTER_PORT in the environment
+    may belong to another job; with NCCL on GPU 0) and Megatron's parallel state (TP = PP = EP = 1), each unless it
+    exists already. Returns which of the two were made here (for a caller that tears down what it made)."""
+    from megatron.core import parallel_state
+
+    made_group = not dist.is_initialized()
+    if made_group:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    made_state = not parallel_state.model_parallel_is_initialized()
+    if made_state:
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    return made_group, made_state
+
+
 def gpt_moe_layer_spec(num_experts: int) -> Any:
     """Megatron's local (no-TE) GPT layer spec with a MoE of SequentialMLP experts, its router the portable one (a GPT
     model that runs on CPU over gloo as well as on a GPU)."""

@@ -33,15 +33,11 @@ MAX_HOST_CREEP = 1.5  # the last 100 steps' median host time over the first 100 
 
 
 def _init() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
-    from megatron_mok.testing import free_port
+    from megatron_mok.testing import init_one_rank
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    init_one_rank()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
 
 

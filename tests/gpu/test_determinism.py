@@ -24,7 +24,6 @@ experts get few or no rows.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -45,18 +44,9 @@ def megatron_ep1() -> Iterator[None]:
     """One NCCL rank with Megatron's parallel state (TP = PP = EP = 1)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron_mok.testing import init_one_rank
 
-    from megatron_mok.testing import free_port
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    init_one_rank()
     yield
 
 

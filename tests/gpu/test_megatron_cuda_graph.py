@@ -23,7 +23,6 @@ training step, built by Megatron's schedules) are not covered here.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,18 +44,11 @@ def megatron_ep1() -> Iterator[None]:
     graphs accept (``use_cudagraphable_rng``); afterwards the tracker is a plain one again."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
-    from megatron_mok.testing import free_port
+    from megatron_mok.testing import init_one_rank
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    init_one_rank()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED, use_cudagraphable_rng=True, force_reset_rng=True)
     yield
     tensor_parallel.model_parallel_cuda_manual_seed(SEED, force_reset_rng=True)

@@ -139,21 +139,6 @@ def test_kernel_backend_adds_wgrad_into_main_grad(save_fc1_output, monkeypatch):
         assert (got - want).norm() <= 1e-2 * want.norm(), "main_grad != 0.5 + the unfused weight gradient"
 
 
-def _init_nccl_single():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_mok.testing import free_port
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-
-
 @pytest.mark.parametrize(
     "glu_settings",
     [{}, {"glu_linear_offset": 1.0, "activation_func_clamp_value": 0.5}],
@@ -162,9 +147,10 @@ def _init_nccl_single():
 def test_megatron_layer_kernel_backend_equals_alltoall(monkeypatch, glu_settings):
     _kernel_or_skip()
     pytest.importorskip("megatron.core")
-    _init_nccl_single()
     from megatron_mok.config import parse_config
-    from megatron_mok.testing import build_moe_layer, moe_transformer_config
+    from megatron_mok.testing import build_moe_layer, init_one_rank, moe_transformer_config
+
+    init_one_rank()
 
     H, F, E, K = 1024, 512, 8, 2
     kw = dict(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=K, dtype=torch.bfloat16, **glu_settings)
