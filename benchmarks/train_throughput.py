@@ -81,17 +81,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write the figures and their context to this result file")
     p.add_argument("--plot", default=None, help="save the loss curves as this PNG (needs matplotlib)")
     args = p.parse_args(argv)
-    for name in ("hidden", "ffn", "experts", "topk", "layers", "heads", "vocab", "seq", "batch", "steps"):
-        if getattr(args, name) < 1:
-            _fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    train_gpt_moe.check_model_args(args, _fail)
+    if args.steps < 1:
+        _fail(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
         _fail(f"--warmup must be >= 0, got {args.warmup}")
-    if args.topk > args.experts:
-        _fail(f"--topk {args.topk} exceeds --experts {args.experts}")
-    if args.hidden % args.heads:
-        _fail(f"--heads {args.heads} does not divide --hidden {args.hidden}")
-    if not args.lr > 0:
-        _fail(f"--lr must be > 0, got {args.lr}")
     names = [d.strip() for d in args.dispatchers.split(",") if d.strip()]
     unknown = [d for d in names if d not in DISPATCHERS]
     if not names or unknown:

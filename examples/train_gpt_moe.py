@@ -179,6 +179,23 @@ def plot_curves(curves: dict[str, list[float]], path: str) -> str:
     return f"loss curves: {path}"
 
 
+MODEL_SIZES = ("layers", "hidden", "ffn", "experts", "topk", "heads", "vocab", "seq", "batch")
+
+
+def check_model_args(args, fail) -> None:
+    """The model's options (sizes, top-k, heads, learning rate), shared with benchmarks/train_throughput.py: the first
+    bad one through ``fail`` as one line."""
+    for name in MODEL_SIZES:
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.topk > args.experts:
+        fail(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if args.hidden % args.heads:
+        fail(f"--heads {args.heads} does not divide --hidden {args.hidden}")
+    if not args.lr > 0:
+        fail(f"--lr must be > 0, got {args.lr}")
+
+
 def _fail(msg: str) -> None:
     """One line naming the problem, exit status 2, before any process starts."""
     print(f"train_gpt_moe.py: {msg}", file=sys.stderr)
@@ -204,17 +221,12 @@ def main(argv=None) -> None:
     p.add_argument("--plot", default=None, help="save both loss curves as this PNG (needs matplotlib)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="bf16 on a GPU runs the MoK kernel")
     args = p.parse_args(argv)
-    for name in ("ep", "steps", "layers", "hidden", "ffn", "experts", "topk", "heads", "vocab", "seq", "batch"):
+    for name in ("ep", "steps"):
         if getattr(args, name) < 1:
             _fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    check_model_args(args, _fail)
     if args.experts % args.ep:
         _fail(f"--ep {args.ep} does not divide --experts {args.experts}")
-    if args.topk > args.experts:
-        _fail(f"--topk {args.topk} exceeds --experts {args.experts}")
-    if args.hidden % args.heads:
-        _fail(f"--heads {args.heads} does not divide --hidden {args.hidden}")
-    if not args.lr > 0:
-        _fail(f"--lr must be > 0, got {args.lr}")
     args.torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     from megatron_mok.testing import spawn
 
