@@ -12,7 +12,9 @@ import sys
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from mok_truth import rel_err  # noqa: E402
 from test_megatron_features import FEATURES  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -20,12 +22,6 @@ pytestmark = pytest.mark.gpu
 H, FFN = 256, 128  # sizes the kernel tiles (multiples of 64)
 TOL = 2e-2  # relative Frobenius error, bf16
 UNFUSED = {"geglu_unfused", "relu_unfused"}
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    nb = b.norm().item()
-    return (a - b).norm().item() if nb == 0.0 else ((a - b).norm() / nb).item()
 
 
 def _compare(name: str) -> list[str]:
@@ -67,8 +63,8 @@ def _compare(name: str) -> list[str]:
     for what, (got, ref) in pairs.items():
         if got is None:
             bad.append(f"{name}: {what}: missing")
-        elif not _rel(got, ref) < TOL:
-            bad.append(f"{name}: {what}: rel err {_rel(got, ref):.3e}")
+        elif not rel_err(got, ref) < TOL:
+            bad.append(f"{name}: {what}: rel err {rel_err(got, ref):.3e}")
     return bad
 
 
