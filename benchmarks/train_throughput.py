@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on GPU, fp32 on CPU")
     # the parameters are bf16 with no fp32 master copy (as the example trains): much smaller Adam steps than a
     # bf16 weight's rounding step would be lost, and the loss curves would say little
-    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
+    p.add_argument(
+        "--lr", type=float, default=1e-4, help="Adam learning rate (gradients clipped to norm 1, as Megatron does)"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--mok-config",

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if TYPE_CHECKING:
     from megatron_mok.config import MokConfig
 
+CLIP_GRAD = 1.0  # Megatron's default --clip-grad
+
 
 def build_model(
     dispatcher: str, ep: int, args: argparse.Namespace, device: torch.device, mok_config: MokConfig | None = None
@@ -82,6 +84,26 @@ def attention_inputs(args: argparse.Namespace, device: torch.device) -> tuple[to
     return pos, causal
 
 
+def clip_grad_norm(model: torch.nn.Module, ws: int) -> None:
+    """Scale the gradients down to a global norm of at most CLIP_GRAD, as Megatron's optimizer does by default:
+    without it Adam's first steps on a freshly initialised wide model blow up. The norm is the whole model's over
+    the EP ranks (the shared parameters' gradients are already averaged, so they count once), so every rank scales
+    by the same factor and the shared parameters stay equal."""
+    grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    if not grads:
+        return
+    expert = [g for name, g in grads if "experts" in name]
+    shared = [g for name, g in grads if "experts" not in name]
+    zero = grads[0][1].new_zeros((), dtype=torch.float32)
+    expert_sq = sum((g.float().square().sum() for g in expert), zero)
+    if ws > 1:
+        torch.distributed.all_reduce(expert_sq)
+    total = (expert_sq + sum((g.float().square().sum() for g in shared), zero)).sqrt()
+    # no host read of the norm: clamp the factor on the device
+    scale = (CLIP_GRAD / (total + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_([g for _, g in grads], scale)
+
+
 def train_step(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
@@ -91,8 +113,8 @@ def train_step(
     causal: torch.Tensor,
     ws: int,
 ) -> torch.Tensor:
-    """One training iteration (forward, loss, backward, optimizer step); returns the loss, still on the device,
-    so a caller that times the step decides when to synchronise."""
+    """One training iteration (forward, loss, backward, gradient clipping, optimizer step); returns the loss, still
+    on the device, so a caller that times the step decides when to synchronise."""
     loss = model(inp, pos, attention_mask=causal, labels=labels).float().mean()
     opt.zero_grad()
     loss.backward()
@@ -102,6 +124,7 @@ def train_step(
             if p.grad is not None and "experts" not in name:
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= ws
+    clip_grad_norm(model, ws)
     opt.step()
     return loss.detach()
 
