@@ -54,3 +54,23 @@ def test_peer_timeout_names_the_missing_peer():
     counter = format_error([1, 1, 2, 3, 9, 8, 0, 5], 2, 2, 100.0, kernel="MoK kernel", phases=FORWARD_PHASES)
     assert counter.startswith("MoK kernel timed out: rank 1 slot 2 waiting for slot-free"), counter
     assert "expected counter >= 9, saw 8" in counter
+
+
+def test_nonfinite_input_and_weight_scale_messages():
+    codes = c_enum("ErrCode")
+    phases = c_enum("Phase")
+    x = format_error(
+        [codes["kErrNonFinite"], 1, 37, phases["kPhaseInputCheck"], 0, 0, 3, 9], 4, 2, 100.0, kernel="MoK kernel",
+        phases=FORWARD_PHASES,
+    )  # fmt: skip
+    assert "NaN / Inf in x of rank 1 token 37, found by rank 3" in x and FORWARD_PHASES[14] in x, x
+    fwd = format_error(
+        [codes["kErrNonFinite"], 2, 5, phases["kPhaseWeightScales"], 11, 1, 2, 0], 4, 8, 100.0, kernel="MoK kernel",
+        phases=FORWARD_PHASES,
+    )  # fmt: skip
+    assert "scale 11 of w2 of rank 2 local expert 5" in fwd and FORWARD_PHASES[15] in fwd, fwd
+    bwd = format_error(
+        [codes["kErrNonFinite"], 0, 3, phases["kPhaseWeightScales"], 0, 0, 0, 0], 2, 8, 100.0,
+        kernel="MoK backward kernel", phases=BACKWARD_PHASES,
+    )  # fmt: skip
+    assert "scale 0 of W2^T of rank 0 local expert 3" in bwd and BACKWARD_PHASES[15] in bwd, bwd

@@ -46,6 +46,18 @@ constexpr float kE4m3Max = 448.0f;
 constexpr float kInvE4m3Max = (float)(1.0 / 448.0);  // scale = amax * this (megatron_mok/fp8.py: _INV_MAX)
 constexpr float kScaleTiny = 1e-12f;  // all-zero blocks: a tiny scale instead of 0 (megatron_mok/fp8.py)
 
+// Nonzero iff one of the 8 bf16 values in v is NaN or +-Inf (all exponent bits set): per 16-bit half,
+// (bits & 0x7F80) + 0x0080 carries into bit 15 exactly then. Three integer operations a word, no conversion.
+__device__ __forceinline__ uint32_t bf16x8_nonfinite(const uint4& v) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+    m |= ((w & 0x7F807F80u) + 0x00800080u) & 0x80008000u;
+  }
+  return m;
+}
+
 // ---- error reporting ----------------------------------------------------------------------------
 enum ErrCode : int {
   kErrNone = 0,
@@ -54,6 +66,7 @@ enum ErrCode : int {
   kErrInternal = 3,
   kErrBadShape = 4,
   kErrCapacity = 5,  // the routing sends an owner more rows than its owner-side buffers hold
+  kErrNonFinite = 6, // a NaN / Inf in a token's x or in an FP8 weight block scale
 };
 enum Phase : int {
   kPhaseGridBarrier = 1,
@@ -70,6 +83,8 @@ enum Phase : int {
   kPhaseChunkDone = 12,      // forward, token chunks: a chunk's final sum waits for its minibatches' pushes
   kPhasePeerSrcQuant = 13,   // per-rank FP8 launch: waits for every peer's
                              // source-quantised signal (its tokens' e4m3 copy written)
+  kPhaseInputCheck = 14,     // x read by the pull (bf16) or by its source quantisation (FP8)
+  kPhaseWeightScales = 15,   // FP8: the experts' weight block scales, read before the schedule
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 

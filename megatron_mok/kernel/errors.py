@@ -54,6 +54,17 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
             f"{kernel}: rank {extra} runs {seen} tokens but rank {rank} was launched for {expected}: every EP rank "
             "must call the layer with the same number of tokens"
         )
+    if code == 6 and phase == 15:
+        what = ("w1", "w2") if "backward" not in kernel else ("W2^T", "W1^T")
+        return (
+            f"{kernel}: FP8 weight block scale {expected} of {what[seen & 1]} of rank {rank} local expert {slot} is "
+            f"not a finite positive number (a NaN / Inf in that expert's weights?), found in {pname}"
+        )
+    if code == 6:
+        return (
+            f"{kernel}: a NaN / Inf in x of rank {rank} token {slot}, found by rank {extra} in {pname}: the MoE layer's "
+            "input is not finite"
+        )
     if code == 2:
         return (
             f"{kernel}: invalid topk index {seen} at rank {rank} token {slot} k {extra}: must be -1 or in [0, {R * L})"
@@ -81,6 +92,8 @@ FORWARD_PHASES = {
     10: "peer token count",
     12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, kernel.macrobatches)",
     13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy for the FP8 forward)",
+    14: "input check (x as the pull reads it, or as the FP8 forward quantises it at its source)",
+    15: "FP8 weight-scale check (before the schedule)",
 }
 BACKWARD_PHASES = {
     1: "grid barrier (schedule)",
@@ -94,6 +107,7 @@ BACKWARD_PHASES = {
     9: "peer compute-done signal (a peer rank has not pushed all its input-row gradients)",
     10: "peer token count",
     11: "wgrad (per-expert row counts do not fit the layout buffers: the dgrad launch did not finish)",
+    15: "FP8 weight-scale check (before the schedule)",
 }
 
 Message = Callable[[list[int]], str]

@@ -16,6 +16,7 @@
 #include "backward/wgrad.cuh"
 #include "comm/peer_sync.cuh"
 #include "comm/schedule.cuh"
+#include "quant/weight_scale_check.cuh"
 
 namespace mok {
 namespace bwd {
@@ -44,6 +45,11 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     __syncthreads();
     if (!s_flag) return;
   }
+  // ---- FP8 dgrad: W2^T [F/128, H/128] and W1^T [H/128, 2F/128] block scales (an error ends the launch at the
+  // schedule's last grid barrier) ----
+  if constexpr (kFp8)
+    check_weight_scales(B, B.wscale, B.nparts * B.L, (B.F / kScaleBlock) * (B.H / kScaleBlock),
+                        (B.H / kScaleBlock) * (2 * B.F / kScaleBlock));
   // ---- schedule (all CTAs): the forward's layout, recomputed from the routing ----
   static_assert(bwd::bwd_compute_smem_bytes() / 4 >= MOK_MAX_EXPERTS, "schedule_count's per-warp counts need E ints of smem");
   schedule_count(B, reinterpret_cast<int*>(smem), bwd::bwd_compute_smem_bytes() / 4);  // also zeroes grad_buf rows of idx == -1 slots (RankTable.combine = grad_buf)

@@ -25,10 +25,12 @@ namespace mok {
 
 // One warp copies nv 16-byte vectors with up to U per lane in flight (U = 16: 8 KB per warp, ~96 KB per comm
 // SM): the copy is latency-bound, so bytes in flight set the per-SM bandwidth. The in-SM pull warps run
-// with the producer warpgroup's 56 registers, hence their smaller U. load(p) reads one vector.
-template <int U, class Load>
-__device__ __forceinline__ void copy_vectors(uint4* __restrict__ d, const uint4* __restrict__ s, int nv, int lane,
-                                             Load load) {
+// with the producer warpgroup's 56 registers, hence their smaller U. load(p) reads one vector. kCheckBf16: the
+// vectors are bf16; returns nonzero (this lane's) if one of them held a NaN / Inf (common.cuh: bf16x8_nonfinite).
+template <int U, bool kCheckBf16 = false, class Load>
+__device__ __forceinline__ uint32_t copy_vectors(uint4* __restrict__ d, const uint4* __restrict__ s, int nv, int lane,
+                                                 Load load) {
+  uint32_t bad = 0;
   for (int base = 0; base < nv; base += 32 * U) {
     uint4 buf[U];
 #pragma unroll
@@ -39,17 +41,29 @@ __device__ __forceinline__ void copy_vectors(uint4* __restrict__ d, const uint4*
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int v = base + u * 32 + lane;
-      if (v < nv) d[v] = buf[u];
+      if (v < nv) {
+        d[v] = buf[u];
+        if constexpr (kCheckBf16) bad |= bf16x8_nonfinite(buf[u]);
+      }
     }
   }
+  return bad;
 }
 
-// One bf16 row (the caller's input x: read through the read-only path).
+// One bf16 row (the caller's input x: read through the read-only path); true (on every lane) if it holds a NaN or
+// an Inf.
 template <int U>
-__device__ __forceinline__ void copy_row_bf16(__nv_bfloat16* __restrict__ dst, const __nv_bfloat16* __restrict__ src,
+__device__ __forceinline__ bool copy_row_bf16(__nv_bfloat16* __restrict__ dst, const __nv_bfloat16* __restrict__ src,
                                               int H, int lane) {
-  copy_vectors<U>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), H / 8, lane,
-                  [](const uint4* p) { return __ldg(p); });
+  const uint32_t bad = copy_vectors<U, true>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), H / 8,
+                                             lane, [](const uint4* p) { return __ldg(p); });
+  return __any_sync(0xffffffffu, bad != 0);
+}
+
+// A token's x holds a NaN / Inf: recorded once (the first report wins), naming the token's home rank and row and the
+// rank that read it; the launch then winds down like after a timeout (timeout.cuh) and the host raises.
+__device__ __forceinline__ void report_nonfinite_x(const Params& P, int home, int token, int reader, int lane) {
+  if (lane == 0) record_error(P, kErrNonFinite, home, token, kPhaseInputCheck, 0, 0, reader);
 }
 
 // Bytes in flight per lane of a pulling warp: comm SMs / minibatch 0 (whole register file) and the in-SM
@@ -85,8 +99,9 @@ __device__ __forceinline__ void quantize_sources(const Params& P) {
     uint8_t* const xq = P.xq[q];
     float* const xs = P.xs[q];
     for (int t = gw; t < rt.T; t += nw)
-      quantize_pull_row<U>(xq + (long long)t * H, xs + (long long)t * (H / kScaleBlock), rt.x + (long long)t * H, H,
-                           lane);
+      if (quantize_pull_row<U>(xq + (long long)t * H, xs + (long long)t * (H / kScaleBlock), rt.x + (long long)t * H, H,
+                               lane))
+        report_nonfinite_x(P, q, t, q, lane);
   }
 }
 
@@ -108,7 +123,9 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
       copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
                        P.xq[src.x] + t * H, P.xs[src.x] + t * (H / kScaleBlock), H, lane, fp8_scale_step(P));
     } else {
-      copy_row_bf16<U>(P.ring + r * H, P.ranks[src.x].x + (long long)(src.y / P.K) * H, H, lane);
+      const int t = src.y / P.K;
+      if (copy_row_bf16<U>(P.ring + r * H, P.ranks[src.x].x + (long long)t * H, H, lane))
+        report_nonfinite_x(P, src.x, t, q, lane);
     }
   }
 }

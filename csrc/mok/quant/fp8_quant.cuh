@@ -99,20 +99,24 @@ __device__ __forceinline__ uint2 quantize_bf16x8_block16(const uint4& v, float* 
 // One warp pulls and quantises one row of H (multiple of 128) bf16 values. A round of the row walk covers
 // 32 lanes x 8 values = two scale blocks (lanes 0-15, 16-31), so a block's amax is a 16-lane butterfly.
 // Block b's scale goes to dst_scale[b * scale_step] (1: a row-major scale row; common.cuh: fp8_scale_step).
+// Returns true (on every lane) if the row holds a NaN or an Inf: the block amax cannot tell (fmaxf drops a NaN).
 template <int U>
-__device__ __forceinline__ void quantize_pull_row(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
+__device__ __forceinline__ bool quantize_pull_row(uint8_t* __restrict__ dst, float* __restrict__ dst_scale,
                                                   const __nv_bfloat16* __restrict__ src, int H, int lane,
                                                   long long scale_step = 1) {
   uint2* d = reinterpret_cast<uint2*>(dst);
   const int nv = H / 8;
+  uint32_t bad = 0;
   for_each_row_vector<U>(src, H, lane, [&](int v, const uint4& vec) {
     float scale;
     const uint2 q = quantize_bf16x8_block16(vec, &scale);
+    bad |= bf16x8_nonfinite(vec);  // past the row's end vec is zeros
     if (v < nv) {
       d[v] = q;
       if ((lane & 15) == 0) dst_scale[(v / 16) * scale_step] = scale;
     }
   });
+  return __any_sync(0xffffffffu, bad != 0);
 }
 
 // One 128-column half of a 64 x 256 WGMMA fragment (acc or acc + 64): a[4j + 2h + {0,1}] (j < 16) is
