@@ -56,7 +56,7 @@ def test_peer_timeout_names_the_missing_peer():
     assert "expected counter >= 9, saw 8" in counter
 
 
-def test_nonfinite_input_and_weight_scale_messages():
+def test_nonfinite_input_gradient_and_weight_scale_messages():
     codes = c_enum("ErrCode")
     phases = c_enum("Phase")
     x = format_error(
@@ -64,6 +64,11 @@ def test_nonfinite_input_and_weight_scale_messages():
         phases=FORWARD_PHASES,
     )  # fmt: skip
     assert "NaN / Inf in x of rank 1 token 37, found by rank 3" in x and FORWARD_PHASES[14] in x, x
+    go = format_error(
+        [codes["kErrNonFinite"], 0, 12, phases["kPhaseGradOutCheck"], 0, 0, 1, 3], 2, 2, 100.0,
+        kernel="MoK backward kernel", phases=BACKWARD_PHASES,
+    )  # fmt: skip
+    assert "NaN / Inf in grad_out of rank 0 token 12, found by rank 1" in go and BACKWARD_PHASES[16] in go, go
     fwd = format_error(
         [codes["kErrNonFinite"], 2, 5, phases["kPhaseWeightScales"], 11, 1, 2, 0], 4, 8, 100.0, kernel="MoK kernel",
         phases=FORWARD_PHASES,

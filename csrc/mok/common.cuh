@@ -66,7 +66,7 @@ enum ErrCode : int {
   kErrInternal = 3,
   kErrBadShape = 4,
   kErrCapacity = 5,  // the routing sends an owner more rows than its owner-side buffers hold
-  kErrNonFinite = 6, // a NaN / Inf in a token's x or in an FP8 weight block scale
+  kErrNonFinite = 6, // a NaN / Inf in a token's x or grad_out, or in an FP8 weight block scale
 };
 enum Phase : int {
   kPhaseGridBarrier = 1,
@@ -85,6 +85,7 @@ enum Phase : int {
                              // source-quantised signal (its tokens' e4m3 copy written)
   kPhaseInputCheck = 14,     // x read by the pull (bf16) or by its source quantisation (FP8)
   kPhaseWeightScales = 15,   // FP8: the experts' weight block scales, read before the schedule
+  kPhaseGradOutCheck = 16,   // backward: grad_out read by the pull reverse-combine
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 

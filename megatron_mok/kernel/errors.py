@@ -61,9 +61,10 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
             f"not a finite positive number (a NaN / Inf in that expert's weights?), found in {pname}"
         )
     if code == 6:
+        tensor, role = ("grad_out", "output gradient") if phase == 16 else ("x", "input")
         return (
-            f"{kernel}: a NaN / Inf in x of rank {rank} token {slot}, found by rank {extra} in {pname}: the MoE layer's "
-            "input is not finite"
+            f"{kernel}: a NaN / Inf in {tensor} of rank {rank} token {slot}, found by rank {extra} in {pname}: the MoE "
+            f"layer's {role} is not finite"
         )
     if code == 2:
         return (
@@ -108,6 +109,7 @@ BACKWARD_PHASES = {
     10: "peer token count",
     11: "wgrad (per-expert row counts do not fit the layout buffers: the dgrad launch did not finish)",
     15: "FP8 weight-scale check (before the schedule)",
+    16: "output-gradient check (grad_out as the pull reverse-combine reads it)",
 }
 
 Message = Callable[[list[int]], str]

@@ -26,11 +26,12 @@ Faults and the records they must leave (csrc/mok/common.cuh: codes kErr*, phases
                         sent and the rows it holds (phase: schedule), before any row is written
   token count           rank R-1 runs T - 64 tokens: every rank reports the peer whose count differs and both counts
                         (phase: peer token count)
-  non-finite value      NaN / Inf in one element of x or an FP8 weight scale: the rank that reads it (the pull, the
-                        FP8 source quantisation, the weight-scale check) reports the home rank and token or the
-                        expert, the phase that found it; its peers time out naming it. grad_out is not checked (a
-                        strict xfail). ``test_nonfinite_is_contained``: no hang, no write past a buffer, without an
-                        error only the results that depend on the value differ, and the next call is correct
+  non-finite value      NaN / Inf in one element of x, grad_out or an FP8 weight scale: the rank that reads it (the
+                        forward's pull or FP8 source quantisation, the backward's pull reverse-combine, the
+                        weight-scale check) reports the home rank and token or the expert, and the phase that found
+                        it; its peers time out naming it. ``test_nonfinite_is_contained``: no hang, no write past a
+                        buffer, without an error only the results that depend on the value differ, and the next call
+                        is correct
 
 The last test prints the table (fault, pass, EP, dtype, ranks reporting, wall ms, first line of the root-cause error).
 """
@@ -258,16 +259,11 @@ def test_token_count_mismatch(kernel, kind: str, dtype: str, R: int) -> None:
 
 POISON_RANK, POISON_TOKEN, POISON_COL = 1, 37, 5  # one element of rank 1's x / grad_out
 POISON_EXPERT = 0  # rank 1's local expert whose first FP8 scale block is poisoned
-# grad_out is not checked: the backward's pull reads it without looking (a NaN there reaches exactly the gradients
-# that depend on it, as in torch's own operators, and Megatron's gradient check stops the step)
-_GRAD_OUT_UNCHECKED = pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="the backward does not check grad_out for NaN / Inf"
-)
 NONFINITE = [
     pytest.param(FORWARD, "x", "bf16", id="forward-x-bf16"),
     pytest.param(FORWARD, "x", "fp8", id="forward-x-fp8"),
-    pytest.param(BACKWARD, "grad_out", "bf16", id="backward-grad_out-bf16", marks=_GRAD_OUT_UNCHECKED),
-    pytest.param(BACKWARD, "grad_out", "fp8", id="backward-grad_out-fp8", marks=_GRAD_OUT_UNCHECKED),
+    pytest.param(BACKWARD, "grad_out", "bf16", id="backward-grad_out-bf16"),
+    pytest.param(BACKWARD, "grad_out", "fp8", id="backward-grad_out-fp8"),
     pytest.param(FORWARD, "weight_scale", "fp8", id="forward-w1_scale-fp8"),
     pytest.param(BACKWARD, "weight_scale", "fp8", id="backward-w2t_scale-fp8"),
 ]

@@ -26,9 +26,10 @@ namespace bwd {
 
 // One warp: xd = xs (bf16 copy; not with kX = false: the forward kept xl) and gd = bf16(w * gs); kFp8 also writes gd's values (as rounded to
 // bf16) as e4m3 with one scale per 1 x 128 block into gq / gqs (H % 128 == 0), the A operand of the FP8
-// dgrad's stage 1. Iteration u covers 32 lanes x 8 values = two scale blocks (fp8_quant.cuh).
+// dgrad's stage 1. Iteration u covers 32 lanes x 8 values = two scale blocks (fp8_quant.cuh). Returns true (on
+// every lane) if gs holds a NaN or an Inf (x was checked by the forward's pull).
 template <bool kFp8, bool kX>
-__device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, __nv_bfloat16* __restrict__ gd,
+__device__ __forceinline__ bool pull_rows_pair(__nv_bfloat16* __restrict__ xd, __nv_bfloat16* __restrict__ gd,
                                                uint8_t* __restrict__ gq, float* __restrict__ gqs,
                                                const __nv_bfloat16* __restrict__ xs,
                                                const __nv_bfloat16* __restrict__ gs, float w, int H, int lane) {
@@ -38,6 +39,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
   uint4* gd4 = reinterpret_cast<uint4*>(gd);
   const int nv = H / 8;
   constexpr int U = 8;
+  uint32_t bad = 0;
   for (int base = 0; base < nv; base += 32 * U) {
     uint4 bx[U], bg[U];
 #pragma unroll
@@ -53,6 +55,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
     for (int u = 0; u < U; ++u) {
       if (base + u * 32 >= nv) break;  // warp-uniform
       const int v = base + u * 32 + lane;
+      bad |= bf16x8_nonfinite(bg[u]);  // zeros past the row's end
       const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&bg[u]);
       uint4 o;
       uint32_t* po = reinterpret_cast<uint32_t*>(&o);
@@ -75,6 +78,7 @@ __device__ __forceinline__ void pull_rows_pair(__nv_bfloat16* __restrict__ xd, _
       }
     }
   }
+  return __any_sync(0xffffffffu, bad != 0);
 }
 
 // Warps gw, gw + stride, ... of a CTA pull layout rows of minibatch i of owner q: x rows into xl (not when
@@ -94,11 +98,12 @@ __device__ __forceinline__ void bwd_pull_rows(const BwdParams& P, int q, int i, 
     uint8_t* const gq = kFp8 ? me.gyl8 + (long long)row * H : nullptr;
     float* const gqs = kFp8 ? me.gys + (long long)row * (H / kScaleBlock) : nullptr;
     const __nv_bfloat16* const gs = P.br[src.x].grad_out + (long long)t * H;
-    if (P.x_kept)  // warp-uniform
-      pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane);
-    else
-      pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
-                                 B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
+    const bool bad = P.x_kept  // warp-uniform
+                         ? pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane)
+                         : pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
+                                                      B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
+    // recorded once (the first report wins); the launch winds down like after a timeout and the host raises
+    if (bad && lane == 0) record_error(B, kErrNonFinite, src.x, t, kPhaseGradOutCheck, 0, 0, q);
   }
 }
 
