@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,14 +33,26 @@ SKIP_DIRS = {".git", ".venv", ".before", ".whl", "__pycache__", "build", "dist",
 THIS_FILE = Path(__file__).resolve()
 
 
+def _is_text(path: Path) -> bool:
+    return (path.suffix in TEXT_SUFFIXES or path.name == "run") and path.resolve() != THIS_FILE
+
+
 def project_text_files() -> list[Path]:
+    """The project's text files: in a git checkout the tracked ones and the untracked ones git does not ignore (a
+    developer's ignored scratch copies of other trees are not the project); elsewhere every file outside SKIP_DIRS."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=REPO, capture_output=True, check=True, timeout=60,
+        ).stdout.decode()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        listed = None
+    if listed is not None:
+        return [p for name in listed.split("\0") if name and (p := REPO / name).is_file() and _is_text(p)]
     files = []
     for root, dirs, names in os.walk(REPO):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
-        for name in names:
-            path = Path(root) / name
-            if (path.suffix in TEXT_SUFFIXES or name == "run") and path.resolve() != THIS_FILE:
-                files.append(path)
+        files.extend(p for name in names if _is_text(p := Path(root) / name))
     return files
 
 
