@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_backward_kernel(const __grid_
     __syncthreads();
     if (!s_flag) return;
   }
-  // ---- FP8 dgrad: W2^T [F/128, H/128] and W1^T [H/128, 2F/128] block scales (an error ends the launch at the
-  // schedule's last grid barrier) ----
+  // ---- FP8 dgrad: W2^T [F/128, H/128] and W1^T [H/128, 2F/128] block scales (after an error each CTA leaves at
+  // the first of the schedule's grid barriers that still waits for others: comm/timeout.cuh) ----
   if constexpr (kFp8)
     check_weight_scales(B, B.wscale, B.nparts * B.L, (B.F / kScaleBlock) * (B.H / kScaleBlock),
                         (B.H / kScaleBlock) * (2 * B.F / kScaleBlock));

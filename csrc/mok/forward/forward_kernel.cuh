@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   // ---- FP8: this launch's tokens quantised once, at their source (pull_dispatch.cuh) ----
   constexpr bool kSrcQuant = kFp8;
   if constexpr (kSrcQuant) quantize_sources<8>(P);  // ordered before every pull by grid barrier 1 (and the signal)
-  // w1 [2F/128, H/128] and w2 [H/128, F/128] block scales of this launch's experts (an error ends the launch at the
-  // schedule's last grid barrier)
+  // w1 [2F/128, H/128] and w2 [H/128, F/128] block scales of this launch's experts (after an error each CTA leaves
+  // at the first of the schedule's grid barriers that still waits for others: comm/timeout.cuh)
   if constexpr (kFp8)
     check_weight_scales(P, P.wscale, P.nparts * P.L, (2 * P.F / kScaleBlock) * (P.H / kScaleBlock),
                         (P.H / kScaleBlock) * (P.F / kScaleBlock));

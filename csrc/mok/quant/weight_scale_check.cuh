@@ -8,8 +8,9 @@
 namespace mok {
 
 // scales[2 g + m] (g < n_experts local experts of this launch, m < 2) points at n[m] contiguous fp32 scales. A bad one
-// is recorded as {kErrNonFinite, rank, slot = local expert, kPhaseWeightScales, expected = its index, seen = m}; the
-// launch's CTAs then leave at the schedule's last grid barrier (cta_aborted).
+// is recorded as {kErrNonFinite, rank, slot = local expert, kPhaseWeightScales, expected = its index, seen = m}; each
+// CTA then leaves at the first of the schedule's grid barriers that still waits for others (comm/timeout.cuh), so
+// its peers time out in whichever phase waits for this rank next.
 __device__ __forceinline__ void check_weight_scales(const Params& P, const float* const* scales, int n_experts,
                                                     int n0, int n1) {
   const int lane = threadIdx.x & 31;
