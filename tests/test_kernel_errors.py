@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from megatron_mok.kernel.comm import SIGNAL_KINDS
 from megatron_mok.kernel.errors import BACKWARD_PHASES, FORWARD_PHASES, PEER_SIGNAL_PHASES, format_error
 
@@ -56,26 +58,22 @@ def test_peer_timeout_names_the_missing_peer():
     assert "expected counter >= 9, saw 8" in counter
 
 
-def test_nonfinite_input_gradient_and_weight_scale_messages():
-    codes = c_enum("ErrCode")
-    phases = c_enum("Phase")
-    x = format_error(
-        [codes["kErrNonFinite"], 1, 37, phases["kPhaseInputCheck"], 0, 0, 3, 9], 4, 2, 100.0, kernel="MoK kernel",
-        phases=FORWARD_PHASES,
-    )  # fmt: skip
-    assert "NaN / Inf in x of rank 1 token 37, found by rank 3" in x and FORWARD_PHASES[14] in x, x
-    go = format_error(
-        [codes["kErrNonFinite"], 0, 12, phases["kPhaseGradOutCheck"], 0, 0, 1, 3], 2, 2, 100.0,
-        kernel="MoK backward kernel", phases=BACKWARD_PHASES,
-    )  # fmt: skip
-    assert "NaN / Inf in grad_out of rank 0 token 12, found by rank 1" in go and BACKWARD_PHASES[16] in go, go
-    fwd = format_error(
-        [codes["kErrNonFinite"], 2, 5, phases["kPhaseWeightScales"], 11, 1, 2, 0], 4, 8, 100.0, kernel="MoK kernel",
-        phases=FORWARD_PHASES,
-    )  # fmt: skip
-    assert "scale 11 of w2 of rank 2 local expert 5" in fwd and FORWARD_PHASES[15] in fwd, fwd
-    bwd = format_error(
-        [codes["kErrNonFinite"], 0, 3, phases["kPhaseWeightScales"], 0, 0, 0, 0], 2, 8, 100.0,
-        kernel="MoK backward kernel", phases=BACKWARD_PHASES,
-    )  # fmt: skip
-    assert "scale 0 of W2^T of rank 0 local expert 3" in bwd and BACKWARD_PHASES[15] in bwd, bwd
+@pytest.mark.parametrize(
+    "backward,phase,fields,expected",
+    [
+        (False, "kPhaseInputCheck", (1, 37, 0, 0, 3), "NaN / Inf in x of rank 1 token 37, found by rank 3"),
+        (True, "kPhaseGradOutCheck", (0, 12, 0, 0, 1), "NaN / Inf in grad_out of rank 0 token 12, found by rank 1"),
+        (False, "kPhaseWeightScales", (2, 5, 11, 1, 2), "scale 11 of w2 of rank 2 local expert 5"),
+        (True, "kPhaseWeightScales", (0, 3, 0, 0, 0), "scale 0 of W2^T of rank 0 local expert 3"),
+    ],
+    ids=["x", "grad_out", "forward-w2-scale", "backward-w2t-scale"],
+)
+def test_nonfinite_messages(backward: bool, phase: str, fields: tuple[int, ...], expected: str) -> None:
+    """A non-finite record (code, rank, slot, phase, expected, seen, extra, block) names the tensor, the rank, the
+    token or the expert's scale, and the phase that found it."""
+    code, ph = c_enum("ErrCode")["kErrNonFinite"], c_enum("Phase")[phase]
+    rank, slot, exp, seen, extra = fields
+    names = BACKWARD_PHASES if backward else FORWARD_PHASES
+    kernel = "MoK backward kernel" if backward else "MoK kernel"
+    msg = format_error([code, rank, slot, ph, exp, seen, extra, 0], 4, 8, 100.0, kernel=kernel, phases=names)
+    assert expected in msg and names[ph] in msg, msg
