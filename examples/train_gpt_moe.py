@@ -72,9 +72,9 @@ def synthetic_batch(
     """The next micro-batch of synthetic data from ``gen``: inputs and labels, [batch, seq] each.
 
     The label of a token is a fixed function of the token (an affine map modulo the vocabulary), replaced by a random
-    token one time in ten: a task every batch teaches the same way, so the loss falls steadily from ln(vocab) towards
-    the noise floor instead of jumping with each batch. Drawn on the host from ``gen``, so every dispatcher (and
-    every device) sees the same data."""
+    token one time in ten: every batch teaches the same task, so the loss moves only as the model learns the map (a
+    small vocabulary within a few dozen steps), with no jumps from batch to batch. Drawn on the host from ``gen``, so
+    every dispatcher (and every device) sees the same data."""
     inputs = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
     labels = (inputs * 31 + 7) % args.vocab
     noise = torch.rand(args.batch, args.seq, generator=gen) < 0.1
@@ -89,6 +89,11 @@ def attention_inputs(args: argparse.Namespace, device: torch.device) -> tuple[to
     return pos, causal
 
 
+def is_expert_param(name: str) -> bool:
+    """An expert weight: one rank's own (EP), not averaged over the ranks."""
+    return "experts" in name
+
+
 def clip_grad_norm(model: torch.nn.Module, ws: int) -> None:
     """Scale the gradients down to a global norm of at most CLIP_GRAD, as Megatron's optimizer does by default:
     without it Adam's first steps on a freshly initialised wide model blow up. The norm is the whole model's over
@@ -97,8 +102,8 @@ def clip_grad_norm(model: torch.nn.Module, ws: int) -> None:
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
     if not grads:
         return
-    expert = [g for name, g in grads if "experts" in name]
-    shared = [g for name, g in grads if "experts" not in name]
+    expert = [g for name, g in grads if is_expert_param(name)]
+    shared = [g for name, g in grads if not is_expert_param(name)]
     zero = grads[0][1].new_zeros((), dtype=torch.float32)
     expert_sq = sum((g.float().square().sum() for g in expert), zero)
     if ws > 1:
@@ -126,7 +131,7 @@ def train_step(
     # expert-parallel DP: non-expert grads are averaged over the EP ranks (same as Megatron DDP)
     if ws > 1:
         for name, p in model.named_parameters():
-            if p.grad is not None and "experts" not in name:
+            if p.grad is not None and not is_expert_param(name):
                 torch.distributed.all_reduce(p.grad)
                 p.grad /= ws
     clip_grad_norm(model, ws)

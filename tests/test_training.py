@@ -10,13 +10,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from train_gpt_moe import CLIP_GRAD  # noqa: E402
+import train_gpt_moe  # noqa: E402
 
 
 @pytest.mark.slow
 def test_gpt_moe_training_curves_match(tmp_path):
-    import train_gpt_moe
-
     out = tmp_path / "curves"
     train_gpt_moe.main(["--ep", "2", "--steps", "12", "--out", str(out)])
     for rank in range(2):
@@ -31,8 +29,6 @@ def test_gpt_moe_training_curves_match(tmp_path):
 def test_gpt_moe_bf16_training_on_cpu(tmp_path):
     # bf16 end to end (every parameter bf16, as Megatron's Float16Module makes it; a GPU's layer_norm
     # rejects fp32 norm weights with bf16 activations), reference backend, EP = 1
-    import train_gpt_moe
-
     out = tmp_path / "curves"
     train_gpt_moe.main(["--ep", "1", "--steps", "8", "--dtype", "bf16", "--out", str(out)])
     curves = json.loads((tmp_path / "curves.0").read_text())
@@ -43,8 +39,6 @@ def test_gpt_moe_bf16_training_on_cpu(tmp_path):
 
 
 def test_loss_table_shows_both_curves():
-    import train_gpt_moe
-
     curves = {"alltoall": [4.0 - 0.1 * i for i in range(25)], "mok": [4.0 - 0.1 * i + 1e-7 for i in range(25)]}
     table = train_gpt_moe.loss_table(curves, ["reference"], 1e-7).splitlines()
     assert table[0].split()[:3] == ["step", "alltoall", "mok"]
@@ -64,8 +58,6 @@ class _TwoParams(torch.nn.Module):
 
 
 def _clip_on_rank(rank: int, ws: int, out: str) -> None:
-    import train_gpt_moe
-
     model = _TwoParams()
     model.shared.grad = torch.tensor([3.0, 0.0, 4.0])  # equal on every rank (already averaged)
     model.experts.grad = torch.full((4,), float(rank + 1))  # each rank's own experts
@@ -81,17 +73,15 @@ def test_clip_grad_norm_uses_the_global_norm_over_the_ep_ranks(tmp_path):
     spawn(_clip_on_rank, 2, out)
     got = [torch.load(f"{out}.{r}") for r in range(2)]
     # global norm: the shared grad once (25) and both ranks' expert grads (4 * 1 + 4 * 4): sqrt(45)
-    scale = CLIP_GRAD / 45**0.5
+    scale = train_gpt_moe.CLIP_GRAD / 45**0.5
     for r in range(2):
         torch.testing.assert_close(got[r]["shared"], torch.tensor([3.0, 0.0, 4.0]) * scale)
         torch.testing.assert_close(got[r]["experts"], torch.full((4,), float(r + 1)) * scale)
     total = got[0]["shared"].square().sum() + sum(g["experts"].square().sum() for g in got)
-    assert abs(float(total.sqrt()) - CLIP_GRAD) < 1e-5
+    assert abs(float(total.sqrt()) - train_gpt_moe.CLIP_GRAD) < 1e-5
 
 
 def test_clip_grad_norm_leaves_small_gradients_alone():
-    import train_gpt_moe
-
     model = _TwoParams()
     model.shared.grad = torch.tensor([0.3, 0.0, 0.4])
     model.experts.grad = torch.zeros(4)
