@@ -102,8 +102,7 @@ __device__ __forceinline__ void bwd_pull_rows(const BwdParams& P, int q, int i, 
                          ? pull_rows_pair<kFp8, false>(nullptr, me.gyl + (long long)row * H, gq, gqs, nullptr, gs, w, H, lane)
                          : pull_rows_pair<kFp8, true>(me.xl + (long long)row * H, me.gyl + (long long)row * H, gq, gqs,
                                                       B.ranks[src.x].x + (long long)t * H, gs, w, H, lane);
-    // recorded once (the first report wins); the launch winds down like after a timeout and the host raises
-    if (bad && lane == 0) record_error(B, kErrNonFinite, src.x, t, kPhaseGradOutCheck, 0, 0, q);
+    if (bad) report_nonfinite_row(B, kPhaseGradOutCheck, src.x, t, q, lane);
   }
 }
 

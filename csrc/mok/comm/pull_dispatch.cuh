@@ -60,12 +60,6 @@ __device__ __forceinline__ bool copy_row_bf16(__nv_bfloat16* __restrict__ dst, c
   return __any_sync(0xffffffffu, bad != 0);
 }
 
-// A token's x holds a NaN / Inf: recorded once (the first report wins), naming the token's home rank and row and the
-// rank that read it; the launch then winds down like after a timeout (timeout.cuh) and the host raises.
-__device__ __forceinline__ void report_nonfinite_x(const Params& P, int home, int token, int reader, int lane) {
-  if (lane == 0) record_error(P, kErrNonFinite, home, token, kPhaseInputCheck, 0, 0, reader);
-}
-
 // Bytes in flight per lane of a pulling warp: comm SMs / minibatch 0 (whole register file) and the in-SM
 // pull warps (56 registers: the fp8 quantiser needs more of them per 16-byte load than the copy).
 constexpr int kPullUnroll = 16;
@@ -101,7 +95,7 @@ __device__ __forceinline__ void quantize_sources(const Params& P) {
     for (int t = gw; t < rt.T; t += nw)
       if (quantize_pull_row<U>(xq + (long long)t * H, xs + (long long)t * (H / kScaleBlock), rt.x + (long long)t * H, H,
                                lane))
-        report_nonfinite_x(P, q, t, q, lane);
+        report_nonfinite_row(P, kPhaseInputCheck, q, t, q, lane);
   }
 }
 
@@ -125,7 +119,7 @@ __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw,
     } else {
       const int t = src.y / P.K;
       if (copy_row_bf16<U>(P.ring + r * H, P.ranks[src.x].x + (long long)t * H, H, lane))
-        report_nonfinite_x(P, src.x, t, q, lane);
+        report_nonfinite_row(P, kPhaseInputCheck, src.x, t, q, lane);
     }
   }
 }

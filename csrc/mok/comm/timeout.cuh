@@ -22,6 +22,14 @@ __device__ __forceinline__ void record_error(const Params& P, int code, int rank
   }
 }
 
+// A token row (x, or grad_out: `phase`) read by a warp holds a NaN / Inf: recorded once (the first report wins),
+// naming the token's home rank and row and the rank that read it; the launch then winds down like after a timeout
+// and the host raises.
+__device__ __forceinline__ void report_nonfinite_row(const Params& P, int phase, int home, int token, int reader,
+                                                     int lane) {
+  if (lane == 0) record_error(P, kErrNonFinite, home, token, phase, 0, 0, reader);
+}
+
 // Wait until *ctr >= target (acquire). Returns false on timeout or abort (error recorded/already set).
 // `slack` multiplies the timeout for secondary waiters so that the primary waiter reports first.
 __device__ __forceinline__ bool wait_counter_geq(const Params& P, const unsigned* ctr, unsigned target,
