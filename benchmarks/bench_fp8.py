@@ -3,6 +3,8 @@
 
 For each slice (EP 1, one launch, same inputs):
   dense   : torch.mm bf16 at the fc1 and fc2 shapes with the same row count (the ceiling, this run)
+  FP8 ceilings (interleaved rounds): torch._scaled_mm (dense FP8, rowwise e4m3) at the same shapes, and
+            torch._scaled_grouped_mm fc1 + fc2 on the same rows split evenly among the experts
   bf16    : the bf16 MoK forward kernel
   fp8     : the FP8 MoK forward kernel (e4m3, 1 x 128 / 128 x 128 block scales, activations quantised
             in the pull and the SwiGLU epilogue); expert weights quantised once beforehand (per
@@ -25,6 +27,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +67,60 @@ def dense_fns(rows: int, H: int, F: int):
     a2 = torch.randn((rows, F), device="cuda").bfloat16()
     b2 = torch.randn((F, H), device="cuda").bfloat16()
     return (lambda: torch.mm(a, b1)), (lambda: torch.mm(a2, b2))
+
+
+def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callable, Callable]]:
+    """The FP8 ceilings' two GEMMs (fc1 then fc2, the same rows), e4m3 with rowwise scales (one per row of A, one
+    per output column of B), bf16 out, on random data:
+
+    * ``dense_fp8``: ``torch._scaled_mm`` over all rows with one weight (the dense FP8 ceiling);
+    * ``grouped_fp8``: ``torch._scaled_grouped_mm`` over the rows split evenly among the L experts, each with its
+      own weights (the unfused grouped GEMMs alone: no dispatch, quantisation, SwiGLU or combine).
+
+    A ceiling the installed torch or GPU cannot run is left out with the reason printed."""
+    e4m3, dev = torch.float8_e4m3fn, "cuda"
+
+    def rand8(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev).to(e4m3)
+
+    def scales(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, device=dev) + 0.5
+
+    a1, a2 = rand8(rows, H), rand8(rows, F)
+    sa1, sa2 = scales(rows, 1), scales(rows, 1)
+    # B operands column-major, as cuBLASLt's FP8 kernels take them: [N, K] row-major weights, transposed
+    b1, b2 = rand8(2 * F, H).t(), rand8(H, F).t()
+    sb1, sb2 = scales(1, 2 * F), scales(1, H)
+    g1, g2 = rand8(L, 2 * F, H).transpose(-2, -1), rand8(L, H, F).transpose(-2, -1)
+    sg1, sg2 = scales(L, 2 * F), scales(L, H)
+    offs = (torch.arange(1, L + 1, device=dev, dtype=torch.int32) * (rows // L)).clamp_(max=rows)
+    offs[-1] = rows
+    bf = torch.bfloat16
+    candidates = {
+        "dense_fp8": (
+            lambda: torch._scaled_mm(a1, b1, sa1, sb1, out_dtype=bf),
+            lambda: torch._scaled_mm(a2, b2, sa2, sb2, out_dtype=bf),
+        ),
+        "grouped_fp8": (
+            lambda: torch._scaled_grouped_mm(a1, g1, sa1.view(-1), sg1, offs=offs, out_dtype=bf),
+            lambda: torch._scaled_grouped_mm(a2, g2, sa2.view(-1), sg2, offs=offs, out_dtype=bf),
+        ),
+    }
+    fns = {}
+    for name, (f1, f2) in candidates.items():
+        try:
+            f1(), f2()
+            torch.cuda.synchronize()
+        except (RuntimeError, TypeError, AttributeError) as exc:
+            print(f"  {name} ceiling left out: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+            continue
+        fns[name] = (f1, f2)
+    return fns
+
+
+def pair_ms(fns: tuple[Callable, Callable], iters: int) -> float:
+    """One ceiling's time: its two GEMMs timed apart (median of ``iters`` each), summed."""
+    return timeit(fns[0], iters, 2)[0] + timeit(fns[1], iters, 2)[0]
 
 
 def dense_ms(rows: int, H: int, F: int, iters: int) -> float:
@@ -131,6 +188,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
     """
 
     f1, f2 = dense_fns(rows, H, F)
+    ceilings = fp8_ceiling_fns(rows, H, F, len(w1l[0]))  # timed like the dense mm: no host preparation
     variants: dict = {}
     for kind in ("bf16", "fp8"):
         kwb = chosen_settings(res, kind)
@@ -166,7 +224,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
                 variants[f"{kind}_graph"] = lambda ev, g=g: (ev[0].record(), g.replay(), ev[1].record())
             except Exception as exc:  # report and go on without it
                 print(f"  {kind}: CUDA graph capture failed: {type(exc).__name__}: {exc}", flush=True)
-    keys = ["dense", *variants]
+    keys = ["dense", *ceilings, *variants]
     call: dict[str, list[float]] = {k: [] for k in keys}
     dev: dict[str, list[float]] = {k: [] for k in keys}
     spans: dict[str, list[tuple[float, float]]] = {k: [] for k in keys}
@@ -180,6 +238,8 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
             if key == "dense":  # no host preparation to speak of: its call time is its device time
                 c = timeit(f1, args.iters, 2)[0] + timeit(f2, args.iters, 2)[0]
                 d = c
+            elif key in ceilings:
+                c = d = pair_ms(ceilings[key], args.iters)
             else:
                 c, d = cuda_call_and_device_ms(variants[key], args.iters, 2)
             spans[key].append((t0, time.monotonic()))
@@ -260,6 +320,7 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         f"1.4x) | dense {med(call['dense']):.3f} bf16 {med(call['bf16']):.3f} fp8 {med(call['fp8']):.3f} ms",
         flush=True,
     )
+    fp8_ceilings_summary(name, call, dev, ceilings, ratios, res["interleaved"], rows * (2 * H * 2 * F + 2 * F * H))
     if "bf16_graph" in variants and "fp8_graph" in variants:
         gfrac, glo, ghi = ratios(call["dense"], call["bf16_graph"])
         gspd, gslo, gshi = ratios(call["bf16_graph"], call["fp8_graph"])
@@ -282,6 +343,39 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         f"{dslo:.2f}-{dshi:.2f}, target 1.4x) | bf16 {med(dev['bf16']):.3f} fp8 {med(dev['fp8']):.3f} ms",
         flush=True,
     )
+
+
+def fp8_ceilings_summary(
+    name: str,
+    call: dict[str, list[float]],
+    dev: dict[str, list[float]],
+    ceilings: dict,
+    ratios: Callable,
+    out: dict,
+    flops: float,
+) -> None:
+    """The FP8 kernel against the FP8 ceilings of the same rounds: of the dense FP8 GEMMs' speed (target 85 %), and
+    the unfused grouped FP8 GEMMs' time over the kernel's (target > 1: the whole fused layer faster than its two bare
+    GEMMs)."""
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    parts = []
+    for key, what in (("dense_fp8", "dense FP8 _scaled_mm"), ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2")):
+        if key not in ceilings:
+            continue
+        frac, lo, hi = ratios(call[key], call["fp8"])  # ceiling time / kernel time: the kernel's share of its speed
+        dfrac = ratios(dev[key], dev["fp8"])[0]
+        out.update({f"{key}_ms": call[key], f"fp8_of_{key}": frac, f"fp8_of_{key}_device": dfrac})
+        tflops = flops / (med(call[key]) * 1e-3) / 1e12
+        parts.append(
+            f"{what} {med(call[key]):.3f} ms ({tflops:.0f} TFLOP/s): fp8 kernel at {frac * 100:.1f}% of its speed per "
+            f"call (rounds {lo * 100:.1f}-{hi * 100:.1f}%), {dfrac * 100:.1f}% device"
+        )
+    if parts:
+        print(
+            f"SUMMARY {name} FP8 ceilings (same rounds; targets: >= 85% of dense FP8, > 100% of the grouped GEMMs): "
+            + " | ".join(parts),
+            flush=True,
+        )
 
 
 def bench(name: str, args, results: list) -> None:
