@@ -24,7 +24,7 @@ from .backend import select_backend
 from .compat import check_megatron_settings
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
-from .function import mok_moe
+from .function import MokBackend, mok_moe
 from .layout import ExpertLayout, compute_layout, topk_from_routing_map
 from .plan import MokPlan, RingSpec
 from .reference import PullRows, PushRows
@@ -100,7 +100,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def transport(self, value: Transport) -> None:
         self._transport = value
 
-    def _plan(self) -> MokPlan:
+    def plan(self) -> MokPlan:
+        """The plan of this layer's calls: ring, saved tensors, gradient-accumulation fusion, SwiGLU variant."""
         k = self.mok_config.kernel
         return MokPlan(
             transport=self.transport,
@@ -114,18 +115,31 @@ class MoKTokenDispatcher(MoETokenDispatcher):
 
     # ---- MoETokenDispatcher interface ---------------------------------------------------------
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
-        """[S, B, H] tokens + dense routing -> [T, H] tokens and top-k weights [T, K] (local only)."""
+        """[S, B, H] tokens + routing -> [T, H] tokens and top-k weights [T, K] (local only).
+
+        The routing is Megatron's dense form (bool ``routing_map`` and ``probs`` [T, E]), or the top-k form a router
+        gives with ``dense_output`` (integer expert ids and their probabilities, both [T, K]): taken as they are,
+        without the conversion from the dense map."""
         self.hidden_shape = tokens.shape
         if tokens.shape[-1] != self.config.hidden_size:
             raise ValueError(
                 f"MoK input hidden size {tokens.shape[-1]} != config hidden_size {self.config.hidden_size}"
             )
         hidden = tokens.reshape(-1, tokens.shape[-1])
-        if routing_map.shape != (hidden.shape[0], self.num_experts):
+        num_tokens = hidden.shape[0]
+        if not routing_map.is_floating_point() and routing_map.dtype != torch.bool:
+            if routing_map.shape != (num_tokens, self.topk) or probs.shape != routing_map.shape:
+                raise ValueError(
+                    f"top-k routing: expert ids {tuple(routing_map.shape)} and probs {tuple(probs.shape)} must both "
+                    f"be [tokens={num_tokens}, topk={self.topk}]"
+                )
+            idx, weights = routing_map, probs  # ids are range-checked by the backend, as after the conversion
+        elif routing_map.shape != (num_tokens, self.num_experts):
             raise ValueError(
-                f"routing_map shape {tuple(routing_map.shape)} != [tokens={hidden.shape[0]}, experts={self.num_experts}]"
+                f"routing_map shape {tuple(routing_map.shape)} != [tokens={num_tokens}, experts={self.num_experts}]"
             )
-        idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
+        else:
+            idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
         self.topk_idx = idx
         return hidden, weights
 
@@ -165,21 +179,17 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(self.hidden_shape)
 
     # ---- the fused path ----------------------------------------------------------------------
-    def fused_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, experts: torch.nn.Module):
-        """Dispatch + expert FFN + combine in one MoK operation; returns [T, H] (combined)."""
-        assert self.topk_idx is not None, "dispatch_preprocess must run before fused_experts"
-        # routing indices are validated by the backend: on the device by the kernel, on the host by the
-        # reference (a host check here would synchronise every layer call)
-        w1, w2 = expert_weights(experts)
-        plan = self._plan()
+    def backend_for(self, hidden_states: torch.Tensor, fc2_weight: torch.Tensor) -> MokBackend:
+        """The backend that runs this layer's call: the kernel (one per setting, shared by every MoK layer) where it
+        can, else the reference (with its reason)."""
         k = self.mok_config.kernel
-        backend = select_backend(
+        return select_backend(
             hidden_states.device,
             self.transport.world_size,
             k.dtype,
             hidden_states.dtype,
-            hidden=w2[0].shape[0],
-            ffn=w2[0].shape[1],
+            hidden=fc2_weight.shape[0],
+            ffn=fc2_weight.shape[1],
             comm_sms=k.comm_sms,
             timeout_ms=k.timeout_ms,
             backward_comm_sms=k.bwd_comm_sms,
@@ -187,6 +197,15 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             backward_minibatch_tokens=k.bwd_minibatch_tokens,
             tuning=k.forward_tuning,
         )
+
+    def fused_experts(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, experts: torch.nn.Module):
+        """Dispatch + expert FFN + combine in one MoK operation; returns [T, H] (combined)."""
+        assert self.topk_idx is not None, "dispatch_preprocess must run before fused_experts"
+        # routing indices are validated by the backend: on the device by the kernel, on the host by the
+        # reference (a host check here would synchronise every layer call)
+        w1, w2 = expert_weights(experts)
+        plan = self.plan()
+        backend = self.backend_for(hidden_states, w2[0])
         out = mok_moe(hidden_states, self.topk_idx, topk_weights, w1, w2, plan, backend)
         self.last_plan = plan
         if backend.name != self.last_backend:  # once per layer and backend change: which path trains
@@ -194,7 +213,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             # a GPU run on the reference is worth a warning (the kernel was expected); on CPU it is the only one
             log = logger.warning if hidden_states.is_cuda and reason is not None else logger.info
             log(
-                "MoK layer: %s backend (EP %d, %s)%s", backend.name, self.transport.world_size, k.dtype,
+                "MoK layer: %s backend (EP %d, %s)%s", backend.name, self.transport.world_size,
+                self.mok_config.kernel.dtype,
                 f": {reason}" if reason else "",
             )  # fmt: skip
             warning = self.mok_config.kernel_warning() if backend.name == "kernel" else None

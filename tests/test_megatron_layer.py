@@ -120,3 +120,43 @@ def _dropless_roundtrip(rank, ws):
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_mok_layer_equals_megatron_alltoall(ep):
     spawn(_worker, ep)
+
+
+def _topk_router(dense: bool):
+    """A fixed router giving the same routing in Megatron's dense [T, E] form or as top-k ids and probs [T, K]."""
+
+    def route(tokens: torch.Tensor, num_experts: int, topk: int):
+        g = torch.Generator().manual_seed(int(tokens.shape[0]))
+        idx = make_topk("skewed", tokens.shape[0], num_experts, topk, g)
+        logits = tokens[:, :num_experts] * 3
+        probs, routing_map = dense_routing(idx, logits)
+        return (probs, routing_map) if dense else (probs.gather(1, idx), idx)
+
+    return make_fixed_router(route)
+
+
+def test_topk_routing_taken_as_given():
+    """A router that gives top-k ids and probs ([T, K], Megatron's dense_output form) computes what the dense routing
+    map computes, gradients included; a top-k routing of the wrong shape is refused naming both shapes."""
+    from megatron_mok.testing import init_one_rank
+
+    init_one_rank("gloo")
+    torch.manual_seed(7)
+    layers = {}
+    for dense in (True, False):
+        cfg = moe_transformer_config(dispatcher="mok")
+        cfg.mok_config = _small_ring_config()
+        layers[dense] = build_moe_layer(cfg, _topk_router(dense))
+    layers[False].load_state_dict(layers[True].state_dict())
+    x = torch.randn(10, 2, H)
+    xs = {d: x.clone().requires_grad_() for d in layers}
+    outs = {d: layers[d](xs[d])[0] for d in layers}
+    torch.testing.assert_close(outs[False], outs[True], rtol=0, atol=0)
+    g = torch.randn_like(outs[True])
+    for d in layers:
+        outs[d].backward(g)
+    torch.testing.assert_close(xs[False].grad, xs[True].grad, rtol=0, atol=0)
+    disp = layers[False].token_dispatcher
+    ids = torch.zeros(20, K + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"top-k routing: expert ids \(20, 3\) and probs \(20, 3\) must both be "):
+        disp.dispatch_preprocess(x, ids, torch.zeros(20, K + 1))
