@@ -1,0 +1,46 @@
+"""benchmarks/bench_ceilings.py: its ratios and the layer-path share from given round times (CPU), its refusals."""
+
+from __future__ import annotations
+
+import pytest
+from load_script import load_script
+
+
+def _times() -> dict[str, list[float]]:
+    """Three rounds of every variant bench_ceilings times (ms)."""
+    t = {
+        "dense_bf16": [8.0, 8.4, 8.2],
+        "dense_fp8": [5.0, 5.4, 5.2],
+        "grouped_fp8": [6.0, 6.3, 6.6],
+        "dense_bf16_backward": [16.0, 16.0, 16.0],
+        "router": [0.5, 0.5, 0.5],
+    }
+    for kind, fwd, bwd in (("bf16", 10.0, 20.0), ("fp8", 6.5, 16.0)):
+        t[f"{kind}_kernel_forward"] = [fwd] * 3
+        t[f"{kind}_kernel_backward"] = [bwd] * 3
+        t[f"{kind}_layer_forward"] = [fwd + 0.6, fwd + 0.7, fwd + 0.8]
+        t[f"{kind}_layer_forward_backward"] = [fwd + bwd + 1.0] * 3
+    return t
+
+
+def test_ratios_are_medians_of_per_round_ratios(capsys):
+    bench = load_script("bench_ceilings", "benchmarks")
+    res = bench.report("s", _times(), 5.0e12, {"bf16": {"out": 3e-3}, "fp8": {"out": 6e-2}})
+    r = res["ratios"]
+    assert r["kernel bf16 forward of dense bf16"]["median"] == pytest.approx(0.82)
+    assert r["kernel fp8 forward of dense fp8"]["min"] == pytest.approx(5.0 / 6.5)
+    assert r["kernel fp8 forward of dense fp8"]["max"] == pytest.approx(5.4 / 6.5)
+    assert r["kernel fp8 forward of grouped fp8"]["median"] == pytest.approx(6.3 / 6.5)
+    assert r["kernel fp8 backward speedup"]["median"] == pytest.approx(20.0 / 16.0)
+    # the layer's own path: (layer - router - kernel) / layer, per round
+    assert r["layer own path bf16"]["median"] == pytest.approx(0.2 / 10.7)
+    assert r["layer own path fp8"]["max"] == pytest.approx(0.3 / 7.3)
+    out = capsys.readouterr().out
+    assert "SUMMARY s layer path: Megatron's router 0.500 ms" in out
+    assert "SUMMARY s errors vs fp32, fp8: out 6.00e-02" in out
+
+
+def test_unknown_slice_is_refused():
+    bench = load_script("bench_ceilings", "benchmarks")
+    with pytest.raises(SystemExit, match="--slices: unknown qwen; known: kimi-k2, deepseek-v3"):
+        bench.main(["--slices", "qwen"])
