@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.join(_HERE, "..", "tests", "gpu"))
 from bench_fp8 import dense_fns, fp8_ceiling_fns  # noqa: E402
 from result_file import write_result  # noqa: E402
 
+from megatron_mok.kernel import check_pending_errors  # noqa: E402
 from megatron_mok.timing import cuda_times_ms  # noqa: E402
 
 #: slice -> (bf16 config, fp8 config, local experts)
@@ -168,6 +169,7 @@ def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -
 
         def fwd_bwd(layer=layer) -> None:
             layer.zero_grad(set_to_none=True)
+            xg.grad = None  # no accumulation pass into the input's gradient
             layer(xg)[0].backward(grad)
 
         fns[f"{kind}_layer_forward_backward"] = fwd_bwd
@@ -281,6 +283,7 @@ def bench(name: str, args) -> dict:
     errs = {kind: errors_vs_fp32(layer, x, args.err_tokens) for kind, layer in layers.items()}
     fns = variants(layers, x, rows, H, F, L)
     t = rounds(fns, args.rounds, args.iters)
+    check_pending_errors(wait=True)  # a failed launch of the rounds is an error, not a timing
     res = report(name, t, flops, errs)
     res.update(slice=name, hidden=H, ffn=F, topk=K, local_experts=L, tokens=T, configs=[bf16_cfg, fp8_cfg])
     del fns, layers
@@ -313,9 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     init_one_rank("nccl")
     tensor_parallel.model_parallel_cuda_manual_seed(0)  # the layers are initialised on the GPU
     megatron_mok.register()
-    results = [bench(name, args) for name in names]
-    if args.json:
-        write_result(args.json, "bench_ceilings", results, tokens=args.tokens, rounds=args.rounds, iters=args.iters)
+    results = []
+    for name in names:
+        results.append(bench(name, args))
+        if args.json:  # after each slice: a later slice's failure keeps the earlier figures
+            write_result(args.json, "bench_ceilings", results, tokens=args.tokens, rounds=args.rounds, iters=args.iters)
 
 
 if __name__ == "__main__":
