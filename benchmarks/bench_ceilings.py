@@ -15,8 +15,10 @@ per-round ratios, with their range:
   layer     Megatron's MoE layer (local spec, stock TopKRouter with fp32 gating, ``mok`` dispatcher) forward with
             autograd on, and forward + backward (weight gradients as autograd returns them)
   router    the layer's router alone: Megatron's own work, the same for every dispatcher
+  queued    the router, kernel and layer forwards once more as back-to-back calls (the host queues ahead, as in a
+            training step; the other figures time each call between its own events, host preparation included)
 
-The layer's own path is (layer forward - router - kernel forward) / layer forward. Errors are relative (L2) against
+The layer's own path is (layer forward - router - kernel forward) / layer forward, per call and queued. Errors are relative (L2) against
 the fp32 layer by autograd (no roundings), on a call of --err-tokens tokens: output, grad_x, the router weights'
 gradient, dW1, dW2.
 
@@ -44,7 +46,7 @@ from bench_fp8 import dense_fns, fp8_ceiling_fns  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 from megatron_mok.kernel import check_pending_errors  # noqa: E402
-from megatron_mok.timing import cuda_times_ms  # noqa: E402
+from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
 
 #: slice -> (bf16 config, fp8 config, local experts)
 SLICES = {"kimi-k2": ("kimi-k2", "kimi-k2-fp8", 8), "deepseek-v3": ("deepseek-v3", "deepseek-v3-fp8", 32)}
@@ -176,12 +178,21 @@ def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -
     return fns
 
 
+#: variants also timed queued: back-to-back calls between one pair of events, the host ahead as in training
+QUEUED = ("router", "bf16_kernel_forward", "bf16_layer_forward", "fp8_kernel_forward", "fp8_layer_forward")
+
+
 def rounds(fns: dict[str, Callable[[], object]], n_rounds: int, iters: int) -> dict[str, list[float]]:
-    """Per variant, its median ms in each round (a fresh seeded order each round)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
+    """Per variant, its ms in each round (a fresh seeded order each round): the median of ``iters`` calls, each
+    between its own events (the host's preparation of the call counts while the GPU waits), and for the QUEUED
+    variants, as ``<name>_queued``, the mean of ``iters`` back-to-back calls."""
+    jobs = {k: (fn, False) for k, fn in fns.items()}
+    jobs.update({f"{k}_queued": (fns[k], True) for k in QUEUED if k in fns})
+    times: dict[str, list[float]] = {k: [] for k in jobs}
     for r in range(n_rounds):
-        for key in random.Random(1000 + r).sample(list(fns), len(fns)):
-            times[key].append(cuda_times_ms(fns[key], iters, 1)[0])
+        for key in random.Random(1000 + r).sample(list(jobs), len(jobs)):
+            fn, queued = jobs[key]
+            times[key].append(cuda_pipelined_ms(fn, iters, 1) if queued else cuda_times_ms(fn, iters, 1)[0])
     return times
 
 
@@ -208,7 +219,7 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
     for key in t:
         fl = 2 * flops if "backward" in key and "forward_backward" not in key else flops
         fl = 3 * flops if "forward_backward" in key else fl
-        shown = f"{tf(key, fl):8.0f}" if key != "router" else f"{'-':>8s}"
+        shown = f"{tf(key, fl):8.0f}" if not key.startswith("router") else f"{'-':>8s}"
         print(f"{key:32s} {med(t[key]):22.3f} {shown}")
     out: dict = {"ms": t, "ratios": {}}
 
@@ -243,19 +254,21 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
         f"backward GEMMs | layer forward + backward fp8 -> {lb} bf16",
         flush=True,
     )
-    paths = []
-    for kind in KINDS:
-        own = [
-            (lay - rt - ker) / lay
-            for lay, rt, ker in zip(t[f"{kind}_layer_forward"], t["router"], t[f"{kind}_kernel_forward"])
-        ]
-        r = (med(own), min(own), max(own))
-        paths.append(f"{kind} {put(f'layer own path {kind}', r, True)}")
-    print(
-        f"SUMMARY {name} layer path: Megatron's router {med(t['router']):.3f} ms (the same for every dispatcher); the "
-        f"layer's own path (layer - router - kernel) of the layer forward: {' | '.join(paths)} (target <= 3%)",
-        flush=True,
-    )
+    for how, sfx in (("per call", ""), ("queued", "_queued")):
+        if f"router{sfx}" not in t:
+            continue
+        paths = []
+        for kind in KINDS:
+            lays, kers = t[f"{kind}_layer_forward{sfx}"], t[f"{kind}_kernel_forward{sfx}"]
+            own = [(lay - rt - ker) / lay for lay, rt, ker in zip(lays, t[f"router{sfx}"], kers)]
+            r = (med(own), min(own), max(own))
+            paths.append(f"{kind} {put(f'layer own path {kind}{sfx}', r, True)}")
+        print(
+            f"SUMMARY {name} layer path, {how}: Megatron's router {med(t[f'router{sfx}']):.3f} ms (the same for every "
+            f"dispatcher); the layer's own path (layer - router - kernel) of the layer forward: {' | '.join(paths)} "
+            "(target <= 3%)",
+            flush=True,
+        )
     out["errors_vs_fp32"] = errs
     for kind, e in errs.items():
         print(f"SUMMARY {name} errors vs fp32, {kind}: " + ", ".join(f"{k} {v:.2e}" for k, v in e.items()), flush=True)

@@ -20,6 +20,9 @@ def _times() -> dict[str, list[float]]:
         t[f"{kind}_kernel_backward"] = [bwd] * 3
         t[f"{kind}_layer_forward"] = [fwd + 0.6, fwd + 0.7, fwd + 0.8]
         t[f"{kind}_layer_forward_backward"] = [fwd + bwd + 1.0] * 3
+        t[f"{kind}_kernel_forward_queued"] = [fwd - 0.2] * 3
+        t[f"{kind}_layer_forward_queued"] = [fwd + 0.3] * 3
+    t["router_queued"] = [0.45] * 3
     return t
 
 
@@ -35,8 +38,10 @@ def test_ratios_are_medians_of_per_round_ratios(capsys):
     # the layer's own path: (layer - router - kernel) / layer, per round
     assert r["layer own path bf16"]["median"] == pytest.approx(0.2 / 10.7)
     assert r["layer own path fp8"]["max"] == pytest.approx(0.3 / 7.3)
+    assert r["layer own path bf16_queued"]["median"] == pytest.approx((10.3 - 0.45 - 9.8) / 10.3)
     out = capsys.readouterr().out
-    assert "SUMMARY s layer path: Megatron's router 0.500 ms" in out
+    assert "SUMMARY s layer path, per call: Megatron's router 0.500 ms" in out
+    assert "SUMMARY s layer path, queued: Megatron's router 0.450 ms" in out
     assert "SUMMARY s errors vs fp32, fp8: out 6.00e-02" in out
 
 
