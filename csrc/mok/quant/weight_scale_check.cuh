@@ -11,18 +11,23 @@ namespace mok {
 // is recorded as {kErrNonFinite, rank, slot = local expert, kPhaseWeightScales, expected = its index, seen = m}; each
 // CTA then leaves at the first of the schedule's grid barriers that still waits for others (comm/timeout.cuh), so
 // its peers time out in whichever phase waits for this rank next.
+// The lists are cut into 32-scale chunks spread over every warp of the grid (a Kimi-K2 slice's 8 experts make ~670
+// chunks for ~1,600 warps), so a lane issues one load or a few independent ones instead of a walk of dependent
+// load-compare-branch steps before the first grid barrier.
 __device__ __forceinline__ void check_weight_scales(const Params& P, const float* const* scales, int n_experts,
                                                     int n0, int n1) {
   const int lane = threadIdx.x & 31;
   const int gw = blockIdx.x * kWarps + (threadIdx.x >> 5), nw = gridDim.x * kWarps;
-  for (int j = gw; j < 2 * n_experts; j += nw) {
-    const float* s = scales[j];
-    const int n = (j & 1) ? n1 : n0;
-    for (int i = lane; i < n; i += 32) {
-      const float v = __ldg(s + i);
+  const int chunks0 = (n0 + 31) / 32, per_expert = chunks0 + (n1 + 31) / 32;
+  const int total = n_experts * per_expert;
+  for (int c = gw; c < total; c += nw) {
+    const int g = c / per_expert, r = c - g * per_expert;
+    const int m = r >= chunks0 ? 1 : 0;
+    const int i = (r - m * chunks0) * 32 + lane;
+    if (i < (m ? n1 : n0)) {
+      const float v = __ldg(scales[2 * g + m] + i);
       if (!(v > 0.0f && v <= 3.402823466e38f))  // false for NaN too
-        record_error(P, kErrNonFinite, P.rank0 + (j / 2) / P.L, (j / 2) % P.L, kPhaseWeightScales, i, j & 1,
-                     P.rank0 + (j / 2) / P.L);
+        record_error(P, kErrNonFinite, P.rank0 + g / P.L, g % P.L, kPhaseWeightScales, i, m, P.rank0 + g / P.L);
     }
   }
 }
