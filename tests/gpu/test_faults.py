@@ -258,7 +258,7 @@ def test_token_count_mismatch(kernel, kind: str, dtype: str, R: int) -> None:
 # ---- non-finite values --------------------------------------------------------------------------------------------
 
 POISON_RANK, POISON_TOKEN, POISON_COL = 1, 37, 5  # one element of rank 1's x / grad_out
-POISON_EXPERT = 0  # rank 1's local expert whose first FP8 scale block is poisoned
+POISON_EXPERT = 0  # rank 1's local expert whose first (or last) FP8 scale block is poisoned
 NONFINITE = [
     pytest.param(FORWARD, "x", "bf16", id="forward-x-bf16"),
     pytest.param(FORWARD, "x", "fp8", id="forward-x-fp8"),
@@ -266,18 +266,21 @@ NONFINITE = [
     pytest.param(BACKWARD, "grad_out", "fp8", id="backward-grad_out-fp8"),
     pytest.param(FORWARD, "weight_scale", "fp8", id="forward-w1_scale-fp8"),
     pytest.param(BACKWARD, "weight_scale", "fp8", id="backward-w2t_scale-fp8"),
+    # the last block of the list: the end of the check's last (partial) chunk
+    pytest.param(FORWARD, "weight_scale_last", "fp8", id="forward-w1_scale_last-fp8"),
+    pytest.param(BACKWARD, "weight_scale_last", "fp8", id="backward-w2t_scale_last-fp8"),
 ]
 VALUES = [pytest.param(math.nan, id="nan"), pytest.param(math.inf, id="inf")]
 
 Keep = Callable[[str, int, int], torch.Tensor | None]
 
 
-def _poisoned_scale(grp: EpGroup, name: str, value: float):
-    """The group's FP8 weights with the first block scale of rank POISON_RANK's expert POISON_EXPERT in ``name``
-    (w1s: the forward's fc1; w2ts: the FP8 dgrad's W2^T) set to ``value``."""
+def _poisoned_scale(grp: EpGroup, name: str, value: float, at: int):
+    """The group's FP8 weights with block scale ``at`` (0: the first, -1: the last) of rank POISON_RANK's expert
+    POISON_EXPERT in ``name`` (w1s: the forward's fc1; w2ts: the FP8 dgrad's W2^T) set to ``value``."""
     lists = [list(per_rank) for per_rank in getattr(grp.fp8, name)]
     s = lists[POISON_RANK][POISON_EXPERT].clone()
-    s.view(-1)[0] = value
+    s.view(-1)[at] = value
     lists[POISON_RANK][POISON_EXPERT] = s
     return dataclasses.replace(grp.fp8, **{name: lists})
 
@@ -310,7 +313,7 @@ def _inject_nonfinite(grp: EpGroup, kind: str, source: str, value: float) -> tup
         return out, keep, f"token {t}"
 
     scale = "w1s" if kind == FORWARD else "w2ts"
-    out = grp.call(kind, fp8=_poisoned_scale(grp, scale, value))
+    out = grp.call(kind, fp8=_poisoned_scale(grp, scale, value, -1 if source.endswith("_last") else 0))
 
     def keep_expert(name: str, r: int, n: int) -> torch.Tensor | None:
         if name in ("tokens_per_expert", "grad_topk_weight"):  # neither reads a weight
@@ -353,7 +356,7 @@ def test_nonfinite_is_contained(kernel, kind: str, source: str, dtype: str, valu
     grp = _group(R, dtype, _seed("nonfinite", kind, source, dtype, R))
     ref = grp.reference(kind)
     out, keep, _ = _inject_nonfinite(grp, kind, source, value)
-    what = ("w1 scale" if kind == FORWARD else "w2t scale") if source == "weight_scale" else source
+    what = ("w1 scale" if kind == FORWARD else "w2t scale") if source.startswith("weight_scale") else source
     _note(f"non-finite {what} ({value})", kind, R, dtype, out, None if out.reporting else nonfinite_summary(out))
     assert out.wall_ms < WALL_FACTOR * TIMEOUT_MS, f"took {out.wall_ms:.0f} ms (timeout {TIMEOUT_MS} ms)"
     assert not out.violations, f"written past a buffer: {out.violations}"
