@@ -1,7 +1,7 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
-of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, and the block-scaled
-grouped GEMM unit ``megatron_mok.kernel.gemm``), and of the FP8 dgrad still to be built
-(``fp8_expert_ffn_backward``).
+of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, the backward kernel's FP8 dgrad, and
+the block-scaled grouped GEMM unit ``megatron_mok.kernel.gemm``), and of the FP8 wgrad still to be built
+(``fp8_expert_ffn_backward(..., wgrad="fp8")``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
   kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);
@@ -59,6 +59,42 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
+def quantize_tokens_128x1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] -> (e4m3 [Tp, N], fp32 scales [Tp / 128, N]): one scale per 128 x 1 block (128 consecutive tokens of
+    one column), the scaling block along the token dimension -- the K of a weight gradient. T is padded with zero
+    rows to Tp, a multiple of 128 (an expert's rows are padded so). The same blocks as ``quantize_act_1x128`` of
+    x^T: ``q.t()`` / ``scale.t()`` are that quantisation of x^T."""
+    if x.dim() != 2:
+        raise ValueError(f"token rows must be 2-D [tokens, features], got shape {tuple(x.shape)}")
+    T, N = x.shape
+    Tp = -(-T // BLOCK) * BLOCK
+    padded = torch.zeros((Tp, N), dtype=torch.float32, device=x.device)
+    padded[:T] = x.float()
+    blocks = padded.view(Tp // BLOCK, BLOCK, N)
+    scale = (blocks.abs().amax(dim=1) * _INV_MAX).clamp_min(_TINY)
+    q = (blocks * torch.reciprocal(scale).unsqueeze(1)).to(torch.float8_e4m3fn).view(Tp, N)
+    return q, scale
+
+
+def fp8_wgrad(gq: torch.Tensor, gs: torch.Tensor, aq: torch.Tensor, as_: torch.Tensor) -> torch.Tensor:
+    """fp32 dW = g^T @ a [N, K] summed over tokens, from 128 x 1 block-scaled g [Tp, N] and a [Tp, K]
+    (``quantize_tokens_128x1``): one 128-token block at a time, its exact e4m3 products summed in fp32 and scaled by
+    the outer product of the block's scales (a per-row and a per-column scale: unlike the forward's, the factor
+    differs along both dimensions of the output tile)."""
+    Tp, N = gq.shape
+    if aq.shape[0] != Tp or gs.shape != (Tp // BLOCK, N) or as_.shape != (Tp // BLOCK, aq.shape[1]):
+        raise ValueError(
+            f"fp8_wgrad: g {tuple(gq.shape)} / scales {tuple(gs.shape)} and a {tuple(aq.shape)} / scales "
+            f"{tuple(as_.shape)} must share their padded token count, one scale per 128 tokens and column"
+        )
+    dw = torch.zeros((N, aq.shape[1]), dtype=torch.float32, device=gq.device)
+    for tb in range(Tp // BLOCK):
+        sl = slice(tb * BLOCK, (tb + 1) * BLOCK)
+        part = gq[sl].float().t() @ aq[sl].float()
+        dw += part * gs[tb].unsqueeze(1) * as_[tb].unsqueeze(0)
+    return dw
+
+
 def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(BLOCK, dim=1)
 
@@ -94,7 +130,7 @@ def fp8_expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, glu: Glu
 
 
 def fp8_expert_ffn_backward(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor, glu: Glu = PLAIN
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gy: torch.Tensor, glu: Glu = PLAIN, wgrad: str = "bf16"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dx [T, H], dw1 [2F, H], dw2 [H, F], fp32) of ``fp8_expert_ffn`` for the output
     gradient gy [T, H], with the FP8 recipe the backward kernel follows:
@@ -103,8 +139,12 @@ def fp8_expert_ffn_backward(
       (H / 2F) and read the weights transposed. A 128 x 128 block quantisation of W^T is the transpose
       of W's (same blocks, same amax), so W^T's e4m3 copy and scales are ``wq.t()`` / ``ws.t()``;
     * the SwiGLU backward in fp32 from the forward's fc1 output h;
-    * wgrad (token dimension as K) from bf16 operands in fp32: dW2 = gy^T act, dW1 = dH^T x.
+    * wgrad (token dimension as K), dW2 = gy^T act and dW1 = dH^T x in fp32: ``wgrad="bf16"`` (the backward kernel's
+      today) from bf16 operands; ``wgrad="fp8"`` (DeepSeek-V3's recipe) from e4m3 operands with one scale per 128
+      tokens of each column (``quantize_tokens_128x1``, ``fp8_wgrad``).
     """
+    if wgrad not in ("bf16", "fp8"):
+        raise ValueError(f"wgrad must be 'bf16' or 'fp8', got {wgrad!r}")
     xq, xs = quantize_act_1x128(x)
     w1q, w1s = quantize_weight_128x128(w1)
     w2q, w2s = quantize_weight_128x128(w2)
@@ -115,6 +155,12 @@ def fp8_expert_ffn_backward(
     dh = swiglu_backward(h, d_act, glu)
     dhq, dhs = quantize_act_1x128(dh)
     dx = fp8_linear(dhq, dhs, w1q.t().contiguous(), w1s.t().contiguous())  # [T, H] = dH @ W1
+    if wgrad == "fp8":
+        return (
+            dx,
+            fp8_wgrad(*quantize_tokens_128x1(dh), *quantize_tokens_128x1(x)),
+            fp8_wgrad(*quantize_tokens_128x1(gy), *quantize_tokens_128x1(act)),
+        )
     bf = torch.bfloat16
     dw2 = gy.to(bf).float().t() @ act.to(bf).float()
     dw1 = dh.to(bf).float().t() @ x.to(bf).float()
