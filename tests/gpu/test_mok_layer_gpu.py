@@ -303,3 +303,56 @@ def test_backward_minibatch_does_not_change_gradients(save_fc1_output):
         got = run(bmb)
         for i, (a, b) in enumerate(zip(got, base)):
             assert torch.equal(a, b), f"backward minibatch {bmb}: gradient {i} differs from minibatch 256's"
+
+
+def test_topk_routing_form_on_the_kernel():
+    """A router giving top-k ids and probs ([T, K], Megatron's dense_output form, here in score order rather than
+    ascending ids) runs on the kernel and computes what its dense routing map computes: the same rows, only the
+    top-k sum in another order."""
+    _kernel_or_skip()
+    pytest.importorskip("megatron.core")
+    from megatron_mok.config import parse_config
+    from megatron_mok.testing import build_moe_layer, init_one_rank, make_fixed_router, moe_transformer_config
+
+    init_one_rank()
+    H, F, E, K = 1024, 512, 8, 4
+
+    def router(dense: bool):
+        def route(tokens: torch.Tensor, num_experts: int, topk: int):
+            scores = tokens[:, :num_experts].float() * 3
+            top, idx = scores.topk(topk, dim=1)
+            probs = torch.softmax(top, dim=1)
+            if not dense:
+                return probs, idx
+            dense_probs = torch.zeros_like(scores).scatter(1, idx, probs)
+            return dense_probs, torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+
+        return make_fixed_router(route)
+
+    kw = dict(hidden_size=H, ffn_hidden_size=F, num_experts=E, topk=K, dtype=torch.bfloat16)
+    cfg = parse_config(
+        {
+            "model": {"name": "g", "hidden_size": H, "moe_ffn_hidden_size": F, "num_moe_experts": E,
+                      "moe_router_topk": K},
+            "kernel": {"comm_sms": 16, "ring_slots": 3, "minibatch_tokens": 256},
+        },
+        "gpu-test",
+    )  # fmt: skip
+    layers = {}
+    torch.manual_seed(0)
+    for dense in (True, False):
+        tc = moe_transformer_config(dispatcher="mok", **kw)
+        tc.mok_config = cfg
+        layers[dense] = build_moe_layer(tc, router(dense)).cuda()
+    layers[False].load_state_dict(layers[True].state_dict())
+    x = torch.randn(1024, 2, H, device="cuda", dtype=torch.bfloat16)
+    got = {}
+    for dense, layer in layers.items():
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi)
+        out.float().sum().backward()
+        assert layer.token_dispatcher.last_backend == "kernel"
+        got[dense] = (out.float(), xi.grad.float())
+    for a, b, what in zip(got[False], got[True], ("output", "grad_x")):
+        rel = (a - b).norm() / b.norm()
+        assert rel < 1e-2, f"{what}: top-k form vs dense map rel err {rel:.3e}"
