@@ -32,20 +32,36 @@ def fused_expert_activation(config: Any, experts: torch.nn.Module) -> Glu | str:
     return glu
 
 
+def _attr(module: Any, name: str) -> Any:
+    """``module.<name>`` (a submodule, a parameter or a plain attribute), or None. This runs at every layer call, for
+    every expert: a submodule or parameter is read from the module's own tables, without ``nn.Module.__getattr__``'s
+    walk (~1 us a read, ~30 us per call for 8 experts)."""
+    if module is None:
+        return None
+    own = module.__dict__
+    for table in ("_modules", "_parameters"):
+        found = own.get(table, {}).get(name)
+        if found is not None:
+            return found
+    return getattr(module, name, None)
+
+
 def expert_weights(experts: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(fc1 weights [2F, H], fc2 weights [H, F]) of the local experts, in local order."""
-    local = getattr(experts, "local_experts", None)
+    local = _attr(experts, "local_experts")
+    w1 = w2 = None
     if local is not None:  # SequentialMLP
-        w1 = [e.linear_fc1.weight for e in local]
-        w2 = [e.linear_fc2.weight for e in local]
-        return w1, w2
-    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
-    n = getattr(experts, "num_local_experts", None)
-    if fc1 is not None and fc2 is not None and n is not None:  # TEGroupedMLP
-        if getattr(fc1, "single_grouped_weight", False):
-            raise TypeError("TEGroupedMLP with a single grouped weight tensor is not supported yet by MoK")
-        w1 = [getattr(fc1, f"weight{i}") for i in range(n)]
-        w2 = [getattr(fc2, f"weight{i}") for i in range(n)]
+        w1 = [_attr(_attr(e, "linear_fc1"), "weight") for e in local]
+        w2 = [_attr(_attr(e, "linear_fc2"), "weight") for e in local]
+    else:
+        fc1, fc2 = _attr(experts, "linear_fc1"), _attr(experts, "linear_fc2")
+        n = getattr(experts, "num_local_experts", None)
+        if fc1 is not None and fc2 is not None and n is not None:  # TEGroupedMLP
+            if getattr(fc1, "single_grouped_weight", False):
+                raise TypeError("TEGroupedMLP with a single grouped weight tensor is not supported yet by MoK")
+            w1 = [_attr(fc1, f"weight{i}") for i in range(n)]
+            w2 = [_attr(fc2, f"weight{i}") for i in range(n)]
+    if w1 is not None and w2 is not None and all(isinstance(w, torch.Tensor) for w in (*w1, *w2)):
         return w1, w2
     raise TypeError(
         f"MoK cannot read expert weights from {type(experts).__name__}; supported: SequentialMLP, TEGroupedMLP"
