@@ -7,6 +7,7 @@ so state dicts and checkpoints are exactly those of the ``alltoall`` dispatcher.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -25,11 +26,24 @@ def fused_expert_activation(config: Any, experts: torch.nn.Module) -> Glu | str:
     glu = expert_glu(config, experts)
     if isinstance(glu, str):
         return glu
-    try:
-        expert_weights(experts)
-    except TypeError as exc:
-        return str(exc)
-    return glu
+    reason = _unreadable_reason(experts)
+    return glu if reason is None else reason
+
+
+#: expert module -> why MoK cannot read its weights (None: it can)
+_READABLE: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+def _unreadable_reason(experts: torch.nn.Module) -> str | None:
+    """Why MoK cannot read these experts' weights, or None: decided once per expert module, whose structure is fixed
+    once built (the layer decides its expert path at every forward; the weights themselves are read at every call)."""
+    if experts not in _READABLE:
+        try:
+            expert_weights(experts)
+            _READABLE[experts] = None
+        except TypeError as exc:
+            _READABLE[experts] = str(exc)
+    return _READABLE[experts]
 
 
 def _attr(module: Any, name: str) -> Any:
