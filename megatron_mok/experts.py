@@ -65,8 +65,13 @@ def expert_weights(experts: torch.nn.Module) -> tuple[list[torch.Tensor], list[t
     local = _attr(experts, "local_experts")
     w1 = w2 = None
     if local is not None:  # SequentialMLP
-        w1 = [_attr(_attr(e, "linear_fc1"), "weight") for e in local]
-        w2 = [_attr(_attr(e, "linear_fc2"), "weight") for e in local]
+        try:  # the usual layout, read straight from the module tables
+            mods = [e._modules for e in local._modules.values()]
+            w1 = [m["linear_fc1"]._parameters["weight"] for m in mods]
+            w2 = [m["linear_fc2"]._parameters["weight"] for m in mods]
+        except (AttributeError, KeyError):
+            w1 = [_attr(_attr(e, "linear_fc1"), "weight") for e in local]
+            w2 = [_attr(_attr(e, "linear_fc2"), "weight") for e in local]
     else:
         fc1, fc2 = _attr(experts, "linear_fc1"), _attr(experts, "linear_fc2")
         n = getattr(experts, "num_local_experts", None)
