@@ -19,6 +19,12 @@ def refusal(config: Any) -> str | None:
             "top-k experts; drop tokens without padding (moe_expert_capacity_factor alone) or use the alltoall "
             "dispatcher"
         )
+    if getattr(config, "transformer_impl", None) == "inference_optimized":
+        return (
+            "transformer_impl='inference_optimized' is not supported with moe_token_dispatcher_type='mok': its MoE "
+            "layers swap in Megatron's inference dispatchers around MoK's; use transformer_impl 'local' or "
+            "'transformer_engine'"
+        )
     for key in ("moe_router_padding_for_quantization", "moe_router_padding_for_fp8"):
         if getattr(config, key, False):
             return (

@@ -25,7 +25,7 @@ from .compat import check_megatron_settings
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
 from .function import MokBackend, mok_moe
-from .layout import ExpertLayout, compute_layout, topk_from_routing_map
+from .layout import ExpertLayout, compute_layout, topk_from_routing_map, validate_routing
 from .plan import MokPlan, RingSpec
 from .reference import PullRows, PushRows
 from .transport import ProcessGroupTransport, Transport
@@ -85,6 +85,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         # per-call state
         self.hidden_shape: torch.Size | None = None
         self.topk_idx: torch.Tensor | None = None
+        self._topk_form = False  # this call's routing came as top-k ids (not a dense map)
         self.layout: ExpertLayout | None = None
         self.last_plan: MokPlan | None = None
         self.last_backend: str | None = None
@@ -117,9 +118,9 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """[S, B, H] tokens + routing -> [T, H] tokens and top-k weights [T, K] (local only).
 
-        The routing is Megatron's dense form (bool ``routing_map`` and ``probs`` [T, E]), or the top-k form a router
-        gives with ``dense_output`` (integer expert ids and their probabilities, both [T, K]): taken as they are,
-        without the conversion from the dense map."""
+        The routing is Megatron's dense form (a bool or 0/1 ``routing_map`` and ``probs`` [T, E]), or the top-k form a
+        router gives with ``dense_output`` (int32 / int64 expert ids and their probabilities, both [T, K]): taken as
+        they are, without the conversion from the dense map."""
         self.hidden_shape = tokens.shape
         if tokens.shape[-1] != self.config.hidden_size:
             raise ValueError(
@@ -127,16 +128,19 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             )
         hidden = tokens.reshape(-1, tokens.shape[-1])
         num_tokens = hidden.shape[0]
-        if not routing_map.is_floating_point() and routing_map.dtype != torch.bool:
+        self._topk_form = routing_map.dtype in (torch.int32, torch.int64)
+        if self._topk_form:
             if routing_map.shape != (num_tokens, self.topk) or probs.shape != routing_map.shape:
                 raise ValueError(
-                    f"top-k routing: expert ids {tuple(routing_map.shape)} and probs {tuple(probs.shape)} must both "
-                    f"be [tokens={num_tokens}, topk={self.topk}]"
+                    f"top-k routing (int32 / int64 expert ids): ids {tuple(routing_map.shape)} and probs "
+                    f"{tuple(probs.shape)} must both be [tokens={num_tokens}, topk={self.topk}]"
                 )
-            idx, weights = routing_map, probs  # ids are range-checked by the backend, as after the conversion
+            # ids are range-checked where they are used: by the fused backend, and by token_dispatch below
+            idx, weights = routing_map, probs
         elif routing_map.shape != (num_tokens, self.num_experts):
             raise ValueError(
-                f"routing_map shape {tuple(routing_map.shape)} != [tokens={num_tokens}, experts={self.num_experts}]"
+                f"routing_map shape {tuple(routing_map.shape)} != [tokens={num_tokens}, experts={self.num_experts}] "
+                "(a dense map is bool or 0/1; top-k expert ids are int32 / int64 [tokens, topk])"
             )
         else:
             idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
@@ -148,6 +152,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return hidden_states, probs  # the fused op pulls inside the kernel
         tp = self.transport
         assert self.topk_idx is not None, "dispatch_preprocess must run before token_dispatch"
+        if self._topk_form:  # a router's own ids: this path lays out only this rank's experts, and would drop others
+            validate_routing(self.topk_idx, self.num_experts, "the router's top-k expert ids")
         all_idx = tp.all_gather(self.topk_idx)
         self.layout = compute_layout(all_idx, tp.rank, self.num_local_experts)
         k = self.topk

@@ -158,5 +158,30 @@ def test_topk_routing_taken_as_given():
     torch.testing.assert_close(xs[False].grad, xs[True].grad, rtol=0, atol=0)
     disp = layers[False].token_dispatcher
     ids = torch.zeros(20, K + 1, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"top-k routing: expert ids \(20, 3\) and probs \(20, 3\) must both be "):
+    with pytest.raises(ValueError, match=r"top-k routing \(int32 / int64 expert ids\): ids \(20, 3\) and probs "):
         disp.dispatch_preprocess(x, ids, torch.zeros(20, K + 1))
+
+
+def test_topk_routing_on_the_unfused_path_is_range_checked():
+    """Unfused (MoK dispatch and combine around Megatron's experts): the top-k form computes what the dense map does,
+    and an expert id out of range is an error naming it, not a row silently left out."""
+    from megatron_mok.layout import RoutingError
+    from megatron_mok.testing import init_one_rank
+
+    init_one_rank("gloo")
+    torch.manual_seed(8)
+    layers = {}
+    for dense in (True, False):
+        cfg = moe_transformer_config(dispatcher="mok", swiglu=False)
+        layers[dense] = build_moe_layer(cfg, _topk_router(dense))
+    layers[False].load_state_dict(layers[True].state_dict())
+    assert not layers[False].token_dispatcher.fused
+    x = torch.randn(10, 2, H)
+    torch.testing.assert_close(layers[False](x)[0], layers[True](x)[0], rtol=0, atol=0)
+    disp = layers[False].token_dispatcher
+    hidden = x.reshape(-1, H)
+    ids = make_topk("random", hidden.shape[0], E, K, torch.Generator().manual_seed(1))
+    ids[3, 1] = E + 5
+    h, p = disp.dispatch_preprocess(x, ids, torch.full((hidden.shape[0], K), 0.5))
+    with pytest.raises(RoutingError, match=rf"the router's top-k expert ids has expert index {E + 5} out of range"):
+        disp.token_dispatch(h, p)

@@ -27,6 +27,11 @@ REFUSED = {
         dict(moe_router_padding_for_quantization=True),
         "moe_router_padding_for_quantization is not supported with moe_token_dispatcher_type='mok'",
     ),
+    "inference_optimized": (
+        {},
+        dict(transformer_impl="inference_optimized"),
+        "transformer_impl='inference_optimized' is not supported with moe_token_dispatcher_type='mok'",
+    ),
     "padding_for_fp8": (
         {},
         dict(moe_router_padding_for_fp8=True),
