@@ -36,7 +36,8 @@ _READABLE: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.Weak
 
 def _unreadable_reason(experts: torch.nn.Module) -> str | None:
     """Why MoK cannot read these experts' weights, or None: decided once per expert module, whose structure is fixed
-    once built (the layer decides its expert path at every forward; the weights themselves are read at every call)."""
+    once built (the layer decides its expert path at every forward; the weights themselves are read at every call,
+    and a module whose weights disappear later is a TypeError of ``expert_weights`` there, not a fallback)."""
     if experts not in _READABLE:
         try:
             expert_weights(experts)

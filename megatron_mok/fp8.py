@@ -139,8 +139,8 @@ def fp8_expert_ffn_backward(
       (H / 2F) and read the weights transposed. A 128 x 128 block quantisation of W^T is the transpose
       of W's (same blocks, same amax), so W^T's e4m3 copy and scales are ``wq.t()`` / ``ws.t()``;
     * the SwiGLU backward in fp32 from the forward's fc1 output h;
-    * wgrad (token dimension as K), dW2 = gy^T act and dW1 = dH^T x in fp32: ``wgrad="bf16"`` (the backward kernel's
-      today) from bf16 operands; ``wgrad="fp8"`` (DeepSeek-V3's recipe) from e4m3 operands with one scale per 128
+    * wgrad (token dimension as K), dW2 = gy^T act and dW1 = dH^T x in fp32: ``wgrad="bf16"`` (the backward kernel's)
+      from bf16 operands; ``wgrad="fp8"`` (DeepSeek-V3's recipe) from e4m3 operands with one scale per 128
       tokens of each column (``quantize_tokens_128x1``, ``fp8_wgrad``).
     """
     if wgrad not in ("bf16", "fp8"):

@@ -266,8 +266,8 @@ NONFINITE = [
     pytest.param(BACKWARD, "grad_out", "fp8", id="backward-grad_out-fp8"),
     pytest.param(FORWARD, "weight_scale", "fp8", id="forward-w1_scale-fp8"),
     pytest.param(BACKWARD, "weight_scale", "fp8", id="backward-w2t_scale-fp8"),
-    # the last block of the list: the end of the check's last (partial) chunk
-    pytest.param(FORWARD, "weight_scale_last", "fp8", id="forward-w1_scale_last-fp8"),
+    # the last block of a list: in the forward, of the expert's second list (w2), the check's other branch
+    pytest.param(FORWARD, "weight_scale_last", "fp8", id="forward-w2_scale_last-fp8"),
     pytest.param(BACKWARD, "weight_scale_last", "fp8", id="backward-w2t_scale_last-fp8"),
 ]
 VALUES = [pytest.param(math.nan, id="nan"), pytest.param(math.inf, id="inf")]
@@ -312,8 +312,9 @@ def _inject_nonfinite(grp: EpGroup, kind: str, source: str, value: float) -> tup
 
         return out, keep, f"token {t}"
 
-    scale = "w1s" if kind == FORWARD else "w2ts"
-    out = grp.call(kind, fp8=_poisoned_scale(grp, scale, value, -1 if source.endswith("_last") else 0))
+    last = source.endswith("_last")
+    scale = ("w2s" if last else "w1s") if kind == FORWARD else "w2ts"
+    out = grp.call(kind, fp8=_poisoned_scale(grp, scale, value, -1 if last else 0))
 
     def keep_expert(name: str, r: int, n: int) -> torch.Tensor | None:
         if name in ("tokens_per_expert", "grad_topk_weight"):  # neither reads a weight
@@ -356,7 +357,9 @@ def test_nonfinite_is_contained(kernel, kind: str, source: str, dtype: str, valu
     grp = _group(R, dtype, _seed("nonfinite", kind, source, dtype, R))
     ref = grp.reference(kind)
     out, keep, _ = _inject_nonfinite(grp, kind, source, value)
-    what = ("w1 scale" if kind == FORWARD else "w2t scale") if source.startswith("weight_scale") else source
+    what = source
+    if source.startswith("weight_scale"):
+        what = ("w2 scale" if source.endswith("_last") else "w1 scale") if kind == FORWARD else "w2t scale"
     _note(f"non-finite {what} ({value})", kind, R, dtype, out, None if out.reporting else nonfinite_summary(out))
     assert out.wall_ms < WALL_FACTOR * TIMEOUT_MS, f"took {out.wall_ms:.0f} ms (timeout {TIMEOUT_MS} ms)"
     assert not out.violations, f"written past a buffer: {out.violations}"
