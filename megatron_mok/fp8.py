@@ -62,18 +62,16 @@ def quantize_weight_128x128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def quantize_tokens_128x1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, N] -> (e4m3 [Tp, N], fp32 scales [Tp / 128, N]): one scale per 128 x 1 block (128 consecutive tokens of
     one column), the scaling block along the token dimension -- the K of a weight gradient. T is padded with zero
-    rows to Tp, a multiple of 128 (an expert's rows are padded so). The same blocks as ``quantize_act_1x128`` of
-    x^T: ``q.t()`` / ``scale.t()`` are that quantisation of x^T."""
+    rows to Tp, a multiple of 128 (an expert's rows are padded so). The blocks are ``quantize_act_1x128``'s of x^T:
+    that quantisation, transposed back."""
     if x.dim() != 2:
         raise ValueError(f"token rows must be 2-D [tokens, features], got shape {tuple(x.shape)}")
     T, N = x.shape
     Tp = -(-T // BLOCK) * BLOCK
-    padded = torch.zeros((Tp, N), dtype=torch.float32, device=x.device)
-    padded[:T] = x.float()
-    blocks = padded.view(Tp // BLOCK, BLOCK, N)
-    scale = (blocks.abs().amax(dim=1) * _INV_MAX).clamp_min(_TINY)
-    q = (blocks * torch.reciprocal(scale).unsqueeze(1)).to(torch.float8_e4m3fn).view(Tp, N)
-    return q, scale
+    padded_t = torch.zeros((N, Tp), dtype=torch.float32, device=x.device)
+    padded_t[:, :T] = x.float().t()
+    q, scale = quantize_act_1x128(padded_t)
+    return q.t().contiguous(), scale.t().contiguous()
 
 
 def fp8_wgrad(gq: torch.Tensor, gs: torch.Tensor, aq: torch.Tensor, as_: torch.Tensor) -> torch.Tensor:
