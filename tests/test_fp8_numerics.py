@@ -89,9 +89,9 @@ def test_block_quantisation_of_the_transpose_is_the_transposed_quantisation():
     assert torch.equal(st, s.t()) and torch.equal(qt.float(), q.float().t())
 
 
-def test_fp8_expert_ffn_backward_error_vs_fp32_autograd_is_bounded():
-    g = torch.Generator().manual_seed(4)
-    H, F, T = 512, 256, 300
+def _fp32_ffn_with_grads(H: int, F: int, T: int, seed: int):
+    """One expert's SwiGLU FFN in fp32 by autograd on random data: (x, w1, w2 with their .grad, gy, y)."""
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).requires_grad_()
     w1 = (torch.randn(2 * F, H, generator=g) / H**0.5).requires_grad_()
     w2 = (torch.randn(H, F, generator=g) / F**0.5).requires_grad_()
@@ -99,6 +99,11 @@ def test_fp8_expert_ffn_backward_error_vs_fp32_autograd_is_bounded():
     h = x @ w1.t()
     y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2.t()
     y.backward(gy)
+    return x, w1, w2, gy, y
+
+
+def test_fp8_expert_ffn_backward_error_vs_fp32_autograd_is_bounded():
+    x, w1, w2, gy, _ = _fp32_ffn_with_grads(512, 256, 300, seed=4)
     dx, dw1, dw2 = fp8.fp8_expert_ffn_backward(x.detach(), w1.detach(), w2.detach(), gy)
     for name, got, want in (("dx", dx, x.grad), ("dw1", dw1, w1.grad), ("dw2", dw2, w2.grad)):
         err = _rel(got, want)
@@ -166,14 +171,7 @@ def test_fp8_wgrad_equals_the_dequantised_product():
 def test_fp8_wgrad_error_vs_fp32_is_no_worse_than_the_forward(H, F, T):
     """DeepSeek-V3's wgrad recipe (both operands e4m3 per 128 tokens of a column): dW1 and dW2 against fp32 autograd
     within the forward output's own error (x 1.05), and really quantised (above the bf16 wgrad's error)."""
-    g = torch.Generator().manual_seed(H + T)
-    x = torch.randn(T, H, generator=g).requires_grad_()
-    w1 = (torch.randn(2 * F, H, generator=g) / H**0.5).requires_grad_()
-    w2 = (torch.randn(H, F, generator=g) / F**0.5).requires_grad_()
-    gy = torch.randn(T, H, generator=g)
-    h = x @ w1.t()
-    y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2.t()
-    y.backward(gy)
+    x, w1, w2, gy, y = _fp32_ffn_with_grads(H, F, T, seed=H + T)
     fwd_err = _rel(fp8.fp8_expert_ffn(x.detach(), w1.detach(), w2.detach()), y.detach())
     args = (x.detach(), w1.detach(), w2.detach(), gy)
     _, dw1, dw2 = fp8.fp8_expert_ffn_backward(*args, wgrad="fp8")
