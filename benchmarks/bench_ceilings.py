@@ -42,6 +42,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, "..", "tests", "gpu"))
+from bench_common import med, round_ratios  # noqa: E402
 from bench_fp8 import dense_fns, fp8_ceiling_fns  # noqa: E402
 from result_file import write_result  # noqa: E402
 
@@ -100,13 +101,15 @@ class KernelAlone:
         if self.backend.name != "kernel":
             raise SystemExit(f"the MoK kernel does not run here: {getattr(self.backend, 'reason', '')}")
         self.grad_out = (torch.randn_like(self.hidden) * 0.1).bfloat16()
-        self.state = self.forward()[1]
+        self.state = None  # the saved tensors the timed backward reads: one forward's, made at its first call
 
     def forward(self):
         with torch.no_grad():
             return self.backend.forward(self.plan, self.hidden, self.idx, self.w, self.w1, self.w2)
 
     def backward(self):
+        if self.state is None:
+            self.state = self.forward()[1]
         with torch.no_grad():
             return self.backend.backward(self.plan, self.state, self.grad_out, self.w1, self.w2)
 
@@ -196,14 +199,9 @@ def rounds(fns: dict[str, Callable[[], object]], n_rounds: int, iters: int) -> d
     return times
 
 
-def med(v: list[float]) -> float:
-    return sorted(v)[len(v) // 2]
-
-
 def ratio(times: dict[str, list[float]], num: str, den: str) -> tuple[float, float, float]:
     """Median (min, max) over the rounds of times[num] / times[den]."""
-    r = [a / b for a, b in zip(times[num], times[den])]
-    return med(r), min(r), max(r)
+    return round_ratios(times[num], times[den])
 
 
 def fmt(r: tuple[float, float, float], pct: bool = False) -> str:

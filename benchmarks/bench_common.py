@@ -1,6 +1,6 @@
-"""Helpers shared by benchmarks/bench_forward.py and benchmarks/bench_backward.py: CUDA-event timing
-(megatron_mok.timing, also the tuner's), the synthetic MoE inputs, and the Megatron-Core baseline
-(alltoall dispatcher + SequentialMLP at EP = 1)."""
+"""Helpers shared by the benchmarks: CUDA-event timing (megatron_mok.timing, also the tuner's), medians and ratios of
+interleaved rounds, the synthetic MoE inputs, and the Megatron-Core baseline (alltoall dispatcher + SequentialMLP at
+EP = 1)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,17 @@ from megatron_mok.timing import cuda_pipelined_ms as pipelined  # noqa: E402,F40
 from megatron_mok.timing import cuda_times_ms as timeit  # noqa: E402,F401
 
 PEAK = 760.0  # TFLOP/s: dense bf16 GEMM measured on the H200, the reference for "fraction of peak"
+
+
+def med(v: list[float]) -> float:
+    """The median of a few rounds' values (the upper one of an even count)."""
+    return sorted(v)[len(v) // 2]
+
+
+def round_ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """Median, min and max over interleaved rounds of num[i] / den[i] (times of the same round)."""
+    r = [a / b for a, b in zip(num, den)]
+    return med(r), min(r), max(r)
 
 
 def make_inputs(H: int, F: int, K: int, L: int, T: int, seed: int = 0, grad: bool = False):

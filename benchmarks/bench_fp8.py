@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
-from bench_common import GpuSampler, make_inputs, pipelined, timeit  # noqa: E402
+from bench_common import GpuSampler, make_inputs, med, pipelined, round_ratios, timeit  # noqa: E402
 from emulated import mok_backward_emulated, mok_forward_emulated  # noqa: E402
 from result_file import write_result  # noqa: E402
 
@@ -259,15 +259,9 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
             pw = sum(p for _, p in got) / len(got)
             res.setdefault("clocks", {})[key] = {"sm_mhz": clk, "power_w": pw}
             print(f"  {key:8s}: SM clock {clk:6.0f} MHz, power {pw:5.0f} W (mean of the rounds' samples)")
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-
-    def ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
-        r = [a / b for a, b in zip(num, den)]
-        return med(r), min(r), max(r)
-
     if "bf16_ab" in variants:
-        m, lo, hi = ratios(call["bf16_ab"], call["bf16"])  # > 1: the chosen split is faster
-        md = ratios(dev["bf16_ab"], dev["bf16"])[0]
+        m, lo, hi = round_ratios(call["bf16_ab"], call["bf16"])  # > 1: the chosen split is faster
+        md = round_ratios(dev["bf16_ab"], dev["bf16"])[0]
         res["ab_comm"] = {"comm_sms": args.ab_comm, "ms": call["bf16_ab"], "speedup_of_best": m, "device": md}
         print(
             f"  A/B bf16 comm {res['bf16']['comm_sms']} vs comm {args.ab_comm} (minibatch {res['bf16']['minibatch']}): "
@@ -279,8 +273,8 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         ab = res.setdefault("ab_tuning", {}).setdefault(kv, {})
         for kind in env_kinds:
             k = f"{kind}_env{i}"
-            m, lo, hi = ratios(call[k], call[kind])  # < 1: the knob is faster
-            md, dlo, dhi = ratios(dev[k], dev[kind])
+            m, lo, hi = round_ratios(call[k], call[kind])  # < 1: the knob is faster
+            md, dlo, dhi = round_ratios(dev[k], dev[kind])
             ab[kind] = {"ms": call[k], "device_ms": dev[k], "time_ratio": m, "device_ratio": md}
             print(
                 f"  A/B {kind} with {kv}: time with / time without = {m:.3f} per call ({lo:.3f}-{hi:.3f}), "
@@ -291,15 +285,15 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         b_env = f"bf16_env{i}" if f"bf16_env{i}" in variants else "bf16"  # the knob's bf16 if measured
         f_env = f"fp8_env{i}" if f"fp8_env{i}" in variants else "fp8"
         print(
-            f"  with {kv}: bf16 = {ratios(call['dense'], call[b_env])[0] * 100:.1f}% of dense, fp8 -> "
-            f"{ratios(call[b_env], call[f_env])[0]:.2f}x bf16 per call; device: bf16 "
-            f"{ratios(dev['dense'], dev[b_env])[0] * 100:.1f}% of dense, fp8 -> {ratios(dev[b_env], dev[f_env])[0]:.2f}x",
+            f"  with {kv}: bf16 = {round_ratios(call['dense'], call[b_env])[0] * 100:.1f}% of dense, fp8 -> "
+            f"{round_ratios(call[b_env], call[f_env])[0]:.2f}x bf16 per call; device: bf16 "
+            f"{round_ratios(dev['dense'], dev[b_env])[0] * 100:.1f}% of dense, fp8 -> {round_ratios(dev[b_env], dev[f_env])[0]:.2f}x",
             flush=True,
         )
-    frac, flo, fhi = ratios(call["dense"], call["bf16"])
-    spd, slo, shi = ratios(call["bf16"], call["fp8"])
-    dfrac, dflo, dfhi = ratios(dev["dense"], dev["bf16"])
-    dspd, dslo, dshi = ratios(dev["bf16"], dev["fp8"])
+    frac, flo, fhi = round_ratios(call["dense"], call["bf16"])
+    spd, slo, shi = round_ratios(call["bf16"], call["fp8"])
+    dfrac, dflo, dfhi = round_ratios(dev["dense"], dev["bf16"])
+    dspd, dslo, dshi = round_ratios(dev["bf16"], dev["fp8"])
     res["interleaved"] = {
         "rounds": args.rounds,
         "order": "a seeded random permutation each round",
@@ -320,10 +314,10 @@ def interleaved_rounds(name: str, args, res: dict, x, idx, w, w1l, w2l, q8, rows
         f"1.4x) | dense {med(call['dense']):.3f} bf16 {med(call['bf16']):.3f} fp8 {med(call['fp8']):.3f} ms",
         flush=True,
     )
-    fp8_ceilings_summary(name, call, dev, ceilings, ratios, res["interleaved"], rows * (2 * H * 2 * F + 2 * F * H))
+    fp8_ceilings_summary(name, call, dev, ceilings, res["interleaved"], rows * (2 * H * 2 * F + 2 * F * H))
     if "bf16_graph" in variants and "fp8_graph" in variants:
-        gfrac, glo, ghi = ratios(call["dense"], call["bf16_graph"])
-        gspd, gslo, gshi = ratios(call["bf16_graph"], call["fp8_graph"])
+        gfrac, glo, ghi = round_ratios(call["dense"], call["bf16_graph"])
+        gspd, gslo, gshi = round_ratios(call["bf16_graph"], call["fp8_graph"])
         res["interleaved"].update(
             bf16_graph_ms=call["bf16_graph"],
             fp8_graph_ms=call["fp8_graph"],
@@ -350,20 +344,20 @@ def fp8_ceilings_summary(
     call: dict[str, list[float]],
     dev: dict[str, list[float]],
     ceilings: dict,
-    ratios: Callable,
     out: dict,
     flops: float,
 ) -> None:
     """The FP8 kernel against the FP8 ceilings of the same rounds: of the dense FP8 GEMMs' speed (target 85 %), and
     the unfused grouped FP8 GEMMs' time over the kernel's (target > 1: the whole fused layer faster than its two bare
     GEMMs)."""
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     parts = []
     for key, what in (("dense_fp8", "dense FP8 _scaled_mm"), ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2")):
         if key not in ceilings:
             continue
-        frac, lo, hi = ratios(call[key], call["fp8"])  # ceiling time / kernel time: the kernel's share of its speed
-        dfrac = ratios(dev[key], dev["fp8"])[0]
+        frac, lo, hi = round_ratios(
+            call[key], call["fp8"]
+        )  # ceiling time / kernel time: the kernel's share of its speed
+        dfrac = round_ratios(dev[key], dev["fp8"])[0]
         out.update({f"{key}_ms": call[key], f"fp8_of_{key}": frac, f"fp8_of_{key}_device": dfrac})
         tflops = flops / (med(call[key]) * 1e-3) / 1e12
         parts.append(
