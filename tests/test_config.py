@@ -206,10 +206,10 @@ def test_backward_comm_sms_default_and_explicit():
     assert parse_config(_with("kernel", comm_sms=100)).kernel.bwd_comm_sms == 131  # capped: one SM computes
     assert load_config("kimi-k2").kernel.bwd_comm_sms == 8  # kept x / act rows: the backward pulls only dY
     f8 = load_config("kimi-k2-fp8").kernel
-    assert (f8.dtype, f8.comm_sms, f8.minibatch_tokens, f8.bwd_comm_sms) == ("fp8", 0, 4096, 20)
+    assert (f8.dtype, f8.comm_sms, f8.minibatch_tokens, f8.bwd_comm_sms) == ("fp8", 0, 4096, 28)
     # DeepSeek-V3's FP8 forward runs bigger minibatches (32 local experts), its backward as measured
     d8 = load_config("deepseek-v3-fp8").kernel
-    assert (d8.dtype, d8.minibatch_tokens, d8.bwd_minibatch_tokens) == ("fp8", 8192, 4096)
+    assert (d8.dtype, d8.minibatch_tokens, d8.bwd_minibatch_tokens, d8.bwd_comm_sms) == ("fp8", 8192, 4096, 28)
 
 
 def test_backward_minibatch_default_and_explicit():
