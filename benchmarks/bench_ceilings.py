@@ -42,7 +42,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, "..", "tests", "gpu"))
-from bench_common import med, round_ratios  # noqa: E402
+from bench_common import med, median_range, round_ratios  # noqa: E402
 from bench_fp8 import dense_fns, fp8_ceiling_fns  # noqa: E402
 from result_file import write_result  # noqa: E402
 
@@ -259,8 +259,7 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
         for kind in KINDS:
             lays, kers = t[f"{kind}_layer_forward{sfx}"], t[f"{kind}_kernel_forward{sfx}"]
             own = [(lay - rt - ker) / lay for lay, rt, ker in zip(lays, t[f"router{sfx}"], kers)]
-            r = (med(own), min(own), max(own))
-            paths.append(f"{kind} {put(f'layer own path {kind}{sfx}', r, True)}")
+            paths.append(f"{kind} {put(f'layer own path {kind}{sfx}', median_range(own), True)}")
         print(
             f"SUMMARY {name} layer path, {how}: Megatron's router {med(t[f'router{sfx}']):.3f} ms (the same for every "
             f"dispatcher); the layer's own path (layer - router - kernel) of the layer forward: {' | '.join(paths)} "

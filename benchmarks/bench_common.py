@@ -24,10 +24,14 @@ def med(v: list[float]) -> float:
     return sorted(v)[len(v) // 2]
 
 
+def median_range(v: list[float]) -> tuple[float, float, float]:
+    """Median, min and max of a few rounds' values."""
+    return med(v), min(v), max(v)
+
+
 def round_ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
     """Median, min and max over interleaved rounds of num[i] / den[i] (times of the same round)."""
-    r = [a / b for a, b in zip(num, den)]
-    return med(r), min(r), max(r)
+    return median_range([a / b for a, b in zip(num, den)])
 
 
 def make_inputs(H: int, F: int, K: int, L: int, T: int, seed: int = 0, grad: bool = False):

@@ -354,9 +354,8 @@ def fp8_ceilings_summary(
     for key, what in (("dense_fp8", "dense FP8 _scaled_mm"), ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2")):
         if key not in ceilings:
             continue
-        frac, lo, hi = round_ratios(
-            call[key], call["fp8"]
-        )  # ceiling time / kernel time: the kernel's share of its speed
+        # ceiling time / kernel time: the kernel's share of its speed
+        frac, lo, hi = round_ratios(call[key], call["fp8"])
         dfrac = round_ratios(dev[key], dev["fp8"])[0]
         out.update({f"{key}_ms": call[key], f"fp8_of_{key}": frac, f"fp8_of_{key}_device": dfrac})
         tflops = flops / (med(call[key]) * 1e-3) / 1e12
