@@ -17,8 +17,13 @@ per-round ratios, with their range:
   router    the layer's router alone: Megatron's own work, the same for every dispatcher
   queued    the router, kernel and layer forwards once more as back-to-back calls (the host queues ahead, as in a
             training step; the other figures time each call between its own events, host preparation included)
+  own path  the layer forward once more with CUDA events at its router's and its kernel call's entry and exit: the
+            layer's own path is what of each call's event span is neither router nor kernel call (the conversion of
+            the routing, weight and workspace bookkeeping, autograd, and any wait for the host between them), as a
+            share of the span, per call and queued -- one timeline cut in parts, not a difference of timings made
+            in separate calls at a drifting clock
 
-The layer's own path is (layer forward - router - kernel forward) / layer forward, per call and queued. Errors are relative (L2) against
+Errors are relative (L2) against
 the fp32 layer by autograd (no roundings), on a call of --err-tokens tokens: output, grad_x, the router weights'
 gradient, dW1, dW2.
 
@@ -114,6 +119,71 @@ class KernelAlone:
             return self.backend.backward(self.plan, self.state, self.grad_out, self.w1, self.w2)
 
 
+class OwnPathSplit:
+    """The layer forward cut in parts on its own GPU timeline: CUDA events at the call's start and end, at the router's
+    entry and exit (module hooks) and around the backend's forward (the kernel call, as ``KernelAlone`` times it).
+    The layer's own path of a call is its span less the router's and the kernel call's parts."""
+
+    def __init__(self, layer, x: torch.Tensor) -> None:
+        self.layer, self.x = layer, x
+        from megatron_mok.experts import expert_weights
+
+        fc2_weight = expert_weights(layer.experts)[1][0]
+        self.backend = layer.token_dispatcher.backend_for(x.reshape(-1, x.shape[-1]), fc2_weight)
+        self.marks: list[torch.cuda.Event] = []
+
+    def _mark(self) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks.append(ev)
+
+    def share(self, iters: int, queued: bool) -> float:
+        """The own path's share of the layer forward: the median over ``iters`` calls, each synchronised before the
+        next (the host's preparation counts, as in ``cuda_times_ms``), or with ``queued`` the sum over ``iters``
+        back-to-back calls over the sum of their spans."""
+        backend, router = self.backend, self.layer.router
+        kernel_forward = backend.forward
+
+        def timed_forward(*a, **kw):
+            self._mark()
+            out = kernel_forward(*a, **kw)
+            self._mark()
+            return out
+
+        hooks = [router.register_forward_pre_hook(lambda *_: self._mark()),
+                 router.register_forward_hook(lambda *_: self._mark())]  # fmt: skip
+        backend.forward = timed_forward  # this instance only, for this measurement
+        try:
+            self.layer(self.x)  # warm-up call
+            torch.cuda.synchronize()
+            calls = []
+            for _ in range(iters):
+                self.marks = []
+                self._mark()
+                self.layer(self.x)
+                self._mark()
+                if not queued:
+                    self.marks[-1].synchronize()
+                calls.append(self.marks)
+            torch.cuda.synchronize()
+        finally:
+            del backend.forward
+            for h in hooks:
+                h.remove()
+        spans, owns = [], []
+        for m in calls:
+            if len(m) != 6:
+                raise SystemExit(f"own-path split: {len(m)} events in one layer forward, expected 6 (one router call, "
+                                 "one kernel call)")  # fmt: skip
+            start, r0, r1, k0, k1, end = m
+            span = start.elapsed_time(end)
+            spans.append(span)
+            owns.append(span - r0.elapsed_time(r1) - k0.elapsed_time(k1))
+        if queued:
+            return sum(owns) / sum(spans)
+        return med([o / s for o, s in zip(owns, spans)])
+
+
 def backward_dense_fns(rows: int, H: int, F: int) -> Callable[[], None]:
     """The backward's four GEMMs in dense bf16 at all routed rows: dX = dH W1, dA = dY W2, dW1 = dH^T X, dW2 = dY^T A."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -185,18 +255,23 @@ def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -
 QUEUED = ("router", "bf16_kernel_forward", "bf16_layer_forward", "fp8_kernel_forward", "fp8_layer_forward")
 
 
-def rounds(fns: dict[str, Callable[[], object]], n_rounds: int, iters: int) -> dict[str, list[float]]:
+def rounds(
+    fns: dict[str, Callable[[], object]], splits: dict[str, OwnPathSplit], n_rounds: int, iters: int
+) -> dict[str, list[float]]:
     """Per variant, its ms in each round (a fresh seeded order each round): the median of ``iters`` calls, each
     between its own events (the host's preparation of the call counts while the GPU waits), and for the QUEUED
-    variants, as ``<name>_queued``, the mean of ``iters`` back-to-back calls."""
-    jobs = {k: (fn, False) for k, fn in fns.items()}
-    jobs.update({f"{k}_queued": (fns[k], True) for k in QUEUED if k in fns})
-    times: dict[str, list[float]] = {k: [] for k in jobs}
+    variants, as ``<name>_queued``, the mean of ``iters`` back-to-back calls; per layer kind, as
+    ``<kind>_own_path_share[_queued]``, the share of its layer forward spent on the layer's own path."""
+    jobs: dict[str, Callable[[], float]] = {k: (lambda f=fn: cuda_times_ms(f, iters, 1)[0]) for k, fn in fns.items()}
+    jobs.update({f"{k}_queued": (lambda f=fns[k]: cuda_pipelined_ms(f, iters, 1)) for k in QUEUED if k in fns})
+    for kind, split in splits.items():
+        jobs[f"{kind}_own_path_share"] = lambda s=split: s.share(iters, queued=False)
+        jobs[f"{kind}_own_path_share_queued"] = lambda s=split: s.share(iters, queued=True)
+    values: dict[str, list[float]] = {k: [] for k in jobs}
     for r in range(n_rounds):
         for key in random.Random(1000 + r).sample(list(jobs), len(jobs)):
-            fn, queued = jobs[key]
-            times[key].append(cuda_pipelined_ms(fn, iters, 1) if queued else cuda_times_ms(fn, iters, 1)[0])
-    return times
+            values[key].append(jobs[key]())
+    return values
 
 
 def ratio(times: dict[str, list[float]], num: str, den: str) -> tuple[float, float, float]:
@@ -214,7 +289,7 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
     """Print the slice's figures and return them."""
     tf = lambda key, fl=flops: fl / (med(t[key]) * 1e-3) / 1e12  # noqa: E731
     print(f"{'variant':32s} {'ms (median of rounds)':>22s} {'TFLOP/s':>8s}")
-    for key in t:
+    for key in (k for k in t if "_own_path_share" not in k):
         fl = 2 * flops if "backward" in key and "forward_backward" not in key else flops
         fl = 3 * flops if "forward_backward" in key else fl
         shown = f"{tf(key, fl):8.0f}" if not key.startswith("router") else f"{'-':>8s}"
@@ -255,15 +330,12 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
     for how, sfx in (("per call", ""), ("queued", "_queued")):
         if f"router{sfx}" not in t:
             continue
-        paths = []
-        for kind in KINDS:
-            lays, kers = t[f"{kind}_layer_forward{sfx}"], t[f"{kind}_kernel_forward{sfx}"]
-            own = [(lay - rt - ker) / lay for lay, rt, ker in zip(lays, t[f"router{sfx}"], kers)]
-            paths.append(f"{kind} {put(f'layer own path {kind}{sfx}', median_range(own), True)}")
+        paths = [f"{kind} {put(f'layer own path {kind}{sfx}', median_range(t[f'{kind}_own_path_share{sfx}']), True)}"
+                 for kind in KINDS]  # fmt: skip
         print(
             f"SUMMARY {name} layer path, {how}: Megatron's router {med(t[f'router{sfx}']):.3f} ms (the same for every "
-            f"dispatcher); the layer's own path (layer - router - kernel) of the layer forward: {' | '.join(paths)} "
-            "(target <= 3%)",
+            f"dispatcher); the layer's own path (the layer forward's events less its router and kernel call) of the "
+            f"layer forward: {' | '.join(paths)} (target <= 3%)",
             flush=True,
         )
     out["errors_vs_fp32"] = errs
@@ -292,7 +364,9 @@ def bench(name: str, args) -> dict:
     x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16)
     errs = {kind: errors_vs_fp32(layer, x, args.err_tokens) for kind, layer in layers.items()}
     fns = variants(layers, x, rows, H, F, L)
-    t = rounds(fns, args.rounds, args.iters)
+    xg = x.detach().requires_grad_()
+    splits = {kind: OwnPathSplit(layer, xg) for kind, layer in layers.items()}
+    t = rounds(fns, splits, args.rounds, args.iters)
     check_pending_errors(wait=True)  # a failed launch of the rounds is an error, not a timing
     res = report(name, t, flops, errs)
     res.update(slice=name, hidden=H, ffn=F, topk=K, local_experts=L, tokens=T, configs=[bf16_cfg, fp8_cfg])

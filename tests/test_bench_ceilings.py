@@ -22,6 +22,8 @@ def _times() -> dict[str, list[float]]:
         t[f"{kind}_layer_forward_backward"] = [fwd + bwd + 1.0] * 3
         t[f"{kind}_kernel_forward_queued"] = [fwd - 0.2] * 3
         t[f"{kind}_layer_forward_queued"] = [fwd + 0.3] * 3
+        t[f"{kind}_own_path_share"] = [0.02, 0.05, 0.01] if kind == "bf16" else [0.03, 0.04, 0.03]
+        t[f"{kind}_own_path_share_queued"] = [0.01, 0.01, 0.02]
     t["router_queued"] = [0.45] * 3
     return t
 
@@ -35,12 +37,15 @@ def test_ratios_are_medians_of_per_round_ratios(capsys):
     assert r["kernel fp8 forward of dense fp8"]["max"] == pytest.approx(5.4 / 6.5)
     assert r["kernel fp8 forward of grouped fp8"]["median"] == pytest.approx(6.3 / 6.5)
     assert r["kernel fp8 backward speedup"]["median"] == pytest.approx(20.0 / 16.0)
-    # the layer's own path: (layer - router - kernel) / layer, per round
-    assert r["layer own path bf16"]["median"] == pytest.approx(0.2 / 10.7)
-    assert r["layer own path fp8"]["max"] == pytest.approx(0.3 / 7.3)
-    assert r["layer own path bf16_queued"]["median"] == pytest.approx((10.3 - 0.45 - 9.8) / 10.3)
+    # the layer's own path: the median (range) of the rounds' shares, not a difference of the layer, router and
+    # kernel timings
+    assert r["layer own path bf16"] == {"median": 0.02, "min": 0.01, "max": 0.05}
+    assert r["layer own path fp8"]["max"] == pytest.approx(0.04)
+    assert r["layer own path bf16_queued"]["median"] == pytest.approx(0.01)
     out = capsys.readouterr().out
     assert "SUMMARY s layer path, per call: Megatron's router 0.500 ms" in out
+    assert "bf16 2.0% (1.0-5.0) | fp8 3.0% (3.0-4.0) (target <= 3%)" in out
+    assert "own_path_share" not in out  # shares are not timings: no row of the ms table
     assert "SUMMARY s layer path, queued: Megatron's router 0.450 ms" in out
     assert "SUMMARY s errors vs fp32, fp8: out 6.00e-02" in out
 
