@@ -164,10 +164,9 @@ def tuning_of(kv: str):
     from megatron_mok.kernel.tuning import ForwardTuning
 
     key, _, val = kv.partition("=")
-    if key not in ("tile_raster", "macrobatches", "fast_silu"):
-        raise SystemExit(f"--ab-tuning {kv!r}: KEY is one of tile_raster, macrobatches, fast_silu")
-    value = val.strip().lower() in ("1", "true", "yes") if key == "fast_silu" else int(val)
-    return ForwardTuning(**{key: value})
+    if key != "tile_raster":
+        raise SystemExit(f"--ab-tuning {kv!r}: KEY is tile_raster")
+    return ForwardTuning(tile_raster=int(val))
 
 
 def chosen_settings(res: dict, kind: str) -> dict:
@@ -578,7 +577,7 @@ def main() -> int:
         action="append",
         default=None,
         help="interleaved rounds: also the kernels with this forward tuning, KEY=VALUE (A/B; repeatable), "
-        "e.g. tile_raster=16 (keys: tile_raster, macrobatches, fast_silu)",
+        "e.g. tile_raster=16 (key: tile_raster)",
     )
     ap.add_argument("--ab-tuning-kinds", default="bf16,fp8", help="which kernels the --ab-tuning variants run")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of one call per kernel")

@@ -113,19 +113,13 @@ class KernelSpec:
     #: faster than 0 on the H200) and 0 for fp8 (bands were 1.8-2.7 % slower: its weights are half the bytes).
     #: Changes no result bit.
     tile_raster: int | None = None
-    #: EP 1: the forward processes the tokens in this many chunks (1-64), so the final top-k sums of the first
-    #: ones overlap the later GEMMs. Changes no result bit.
-    macrobatches: int = 1
-    #: fp8: SiLU through tanh.approx in the fc1 epilogue (one special-function op instead of two; it moves a
-    #: few e4m3 roundings of the SwiGLU output). Off until it is timed.
-    fast_silu: bool = False
 
     @property
     def forward_tuning(self):
         """The forward kernel's tuning, as its launches take it (``kernel.tuning.ForwardTuning``)."""
         from .kernel.tuning import ForwardTuning
 
-        return ForwardTuning(tile_raster=self.tile_raster, macrobatches=self.macrobatches, fast_silu=self.fast_silu)
+        return ForwardTuning(tile_raster=self.tile_raster)
 
     @property
     def compute_sms(self) -> int:
@@ -327,8 +321,6 @@ def _parse_kernel(raw: Any, model: ModelSpec, source: str, explicit_minibatch: b
         raise bad(
             "tile_raster", f"must be null (the measured default) or an integer in [0, 64], got {spec.tile_raster}"
         )
-    if not 1 <= spec.macrobatches <= 64:
-        raise bad("macrobatches", f"must be an integer in [1, 64], got {spec.macrobatches}")
     if spec.owner_capacity_factor != 0 and not spec.owner_capacity_factor >= 1.0:
         raise bad(
             "owner_capacity_factor",

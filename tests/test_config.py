@@ -60,6 +60,8 @@ def test_two_wave_rule_reproduces_the_published_kimi_minibatch():
     "section,key,value,needle",
     [
         ("kernel", "ring_slotz", 4, "unknown key"),
+        ("kernel", "macrobatches", 1, "unknown key"),
+        ("kernel", "fast_silu", False, "unknown key"),
         ("model", "hiden_size", 4, "unknown key"),
         ("kernel", "comm_sms", 132, "so some SMs compute"),
         ("kernel", "comm_sms", -1, "must be in [0, num_sms - 1"),

@@ -35,7 +35,7 @@ def test_forward_fake_shapes():
     out, tpe = torch.ops.mok.forward(
         _t(T, H), _t(T, K, dtype=torch.int32), _t(T, K, dtype=torch.float32), w1, w2, [], [], _t(T, K, H),
         _t(16, dtype=torch.int32), [], [], None, None, None, None, None, 0, 0, 2, 2, 128, 0, 1000.0, 0,
-        float("inf"), 0.0, -1, 1, False, 0, -1, -1,
+        float("inf"), 0.0, -1, 0, -1, -1,
     )  # fmt: skip
     assert (out.shape, out.dtype, out.device) == ((T, H), torch.bfloat16, META)
     assert (tpe.shape, tpe.dtype) == ((L,), torch.int32)

@@ -12,8 +12,7 @@ enum TimelineKind : unsigned {
   kTlDispatch = 1,  // pull dispatch of one minibatch into its ring slot (aux = minibatch)
   kTlFc1 = 2,       // one fc1 + SwiGLU tile (aux = minibatch)
   kTlFc2 = 3,       // one fc2 tile incl. its push-combine stores (aux = minibatch)
-  kTlCombine = 4,   // final top-k weighted sum (after every rank's pushes landed; token chunks: aux = chunk,
-                    // one event per summing warp of the early chunks)
+  kTlCombine = 4,   // final top-k weighted sum (after every rank's pushes landed)
   // backward kernel (host/backward.cu)
   kTlBwdPull = 5,      // pull reverse-combine of one minibatch: x and w * grad_out rows (aux = minibatch)
   kTlBwdStage1 = 6,    // stage-1 tile main loops (dA = gy W2 [+ fc1 recompute]) (aux = minibatch)

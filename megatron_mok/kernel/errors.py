@@ -91,7 +91,6 @@ FORWARD_PHASES = {
     8: "peer start signal (a peer rank has not launched this call)",
     9: "peer compute-done signal (a peer rank has not finished its experts)",
     10: "peer token count",
-    12: "chunk-done (a token chunk's final sum waits for the pushes of its minibatches, kernel.macrobatches)",
     13: "peer source-quantised signal (a peer rank has not written its tokens' e4m3 copy for the FP8 forward)",
     14: "input check (x as the pull reads it, or as the FP8 forward quantises it at its source)",
     15: "FP8 weight-scale check (before the schedule)",

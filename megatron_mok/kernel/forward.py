@@ -140,7 +140,7 @@ def mok_forward(
             x, topk_idx, topk_weight, wq1, wq2, ws1, ws2, combine, bufs.err, peer_bases, peer_offsets,
             saved_h, None if keep is None else keep.x, None if keep is None else keep.act, tl, tc,
             rank, epoch, comm_sms, ring_slots, minibatch_tokens, ctas, float(timeout_ms), *glu_args(glu),
-            -1 if t.tile_raster is None else t.tile_raster, t.macrobatches, t.fast_silu, t.debug_bits(), *stall,
+            -1 if t.tile_raster is None else t.tile_raster, t.debug_bits(), *stall,
         )  # fmt: skip
         if gpu_events is not None:
             gpu_events[1].record()

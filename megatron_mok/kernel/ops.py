@@ -28,8 +28,8 @@ _DEF.define(
     "Tensor[] w2_scale, Tensor(a!) combine, Tensor(b!) err, int[] peer_bases, int[] peer_offsets, "
     "Tensor(c!)? saved_h, Tensor(d!)? keep_x, Tensor(e!)? keep_act, Tensor(f!)? timeline, "
     "Tensor(g!)? timeline_count, int rank, int epoch, int comm_sms, int ring_slots, int minibatch, int ctas, "
-    "float timeout_ms, int glu, float glu_clamp, float glu_offset, int raster, int macrobatches, bool fast_silu, "
-    "int debug, int stall_rank, int stall_slot) -> (Tensor out, Tensor tokens_per_expert)"
+    "float timeout_ms, int glu, float glu_clamp, float glu_offset, int raster, int debug, int stall_rank, "
+    "int stall_slot) -> (Tensor out, Tensor tokens_per_expert)"
 )
 _DEF.define(
     "backward(Tensor grad_out, Tensor x, Tensor topk_idx, Tensor topk_weight, Tensor combine, Tensor[] w1, "

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 
 import torch
 
 from megatron_mok.activation import PLAIN, swiglu, swiglu_backward
-
-sys.path.insert(0, os.path.dirname(__file__))
-from emulated import kept_rows, mok_backward_emulated, mok_forward_emulated  # noqa: E402
 
 
 def make_experts(R, L, H, F, device, gen, strided=False):
@@ -301,31 +296,3 @@ def exact_fp32_grads(x, topk_idx, topk_weight, w1, w2, grad_out):
         [[zero(w) for w in per] for per in W1],
         [[zero(w) for w in per] for per in W2],
     )
-
-
-KEPT_AND_BACKWARD = ("out", "kept x", "kept act", "saved h", "grad_x", "dW1[0]")
-
-
-def kept_rows_and_backward(kernel, tunings, comm_sms: int = 0) -> dict:
-    """The forward with kept rows and the saved fc1 output, then the backward on top of them, once per
-    ``kernel.cargs.ForwardTuning`` of ``tunings``: tuning -> the KEPT_AND_BACKWARD tensors of rank 0 (kept rows
-    past the routed ones are never written: NaN, compared as 7). Bit-for-bit comparisons of a tuning that
-    changes only the processing (token chunks, ticket order)."""
-
-    L, H, F, K, T = 3, 512, 384, 4, 1400
-    x, idx, wts, w1, w2, go = make_backward_case(1, L, H, F, K, [T], "uniform", seed=5)
-    rows = T * K
-    cfg = dict(comm_sms=comm_sms, ring_slots=2, minibatch_tokens=192)
-    res = {}
-    for v in tunings:
-        keep = kept_rows(1, rows, H, F, cfg["minibatch_tokens"], x[0].device)
-        keep.x.fill_(float("nan"))
-        keep.act.fill_(float("nan"))
-        h = [torch.zeros((rows, 2 * F), dtype=torch.bfloat16, device="cuda")]
-        out, comb, _ = mok_forward_emulated(x, idx, wts, w1, w2, saved_h=h, keep=keep, tuning=v, **cfg)
-        torch.cuda.synchronize()
-        grads = mok_backward_emulated(go, x, idx, wts, comb, w1, w2, saved_h=h, kept=keep, **dict(cfg, comm_sms=2))
-        torch.cuda.synchronize()
-        kx, ka = keep.x[0].nan_to_num(7.0), keep.act[0].nan_to_num(7.0)
-        res[v] = (out[0], kx, ka, h[0], grads[0][0], grads[2][0][0])
-    return res

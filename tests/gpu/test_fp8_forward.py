@@ -120,33 +120,6 @@ def test_fp8_forward_glu_variants_match_the_recipe(kernel, case, offset, clamp):
         assert rel_err(out[r], plain_out[r]) > 0.1, f"rank {r} {glu.describe()}: no different from the plain SwiGLU"
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[-1]])
-def test_fp8_fast_silu_stays_within_the_recipe(kernel, case):
-    """kernel.fast_silu (SiLU through tanh.approx in the fc1 epilogue, expert_ffn.cuh: silu_tanh_f) moves
-    a few e4m3 roundings of the SwiGLU output: the layer stays within the recipe's tolerances, and the
-    errors of both settings are printed (the knob is off until its error and its time are measured)."""
-    from megatron_mok.kernel.quant import quantize_expert_weights
-    from megatron_mok.kernel.tuning import ForwardTuning
-
-    R, L, H, F, K, Ts, mode, comm, slots, mb = case
-    x, idx, wts, w1, w2 = _inputs(R, L, H, F, K, Ts, mode, seed=R * 31 + H)
-    q8 = quantize_expert_weights(w1, w2)
-    kw = dict(comm_sms=comm, ring_slots=slots, minibatch_tokens=mb, fp8=q8)
-    r_out, _, _ = ground_truth_fp8(x, idx, wts, w1, w2)
-    exact = exact_fp32(x, idx, wts, w1, w2)
-    outs = {}
-    for fast in (False, True):
-        outs[fast], _, _ = mok_forward_emulated(x, idx, wts, w1, w2, tuning=ForwardTuning(fast_silu=fast), **kw)
-        for r in range(R):
-            e_o, e_x = rel_err(outs[fast][r], r_out[r]), rel_err(outs[fast][r], exact[r])
-            print(f"fast_silu={fast} rank {r}: vs fp8 recipe {e_o:.3e}, vs fp32 {e_x:.3e}")
-            assert e_o < 2e-2 and 1e-3 < e_x < 0.08
-    for r in range(R):
-        e_d = rel_err(outs[True][r], outs[False][r])
-        print(f"rank {r}: fast vs exact SiLU kernel outputs differ by {e_d:.3e}")
-        assert 0 < e_d < 1e-2
-
-
 def test_fp8_forward_reads_only_the_e4m3_weights(kernel):
     """With fp8 weights the bf16 masters give only the sizes: they are neither read by the kernel nor checked
     per tensor on every call (host time); zeroed, column-strided masters give the same bits."""

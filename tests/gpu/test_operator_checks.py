@@ -44,8 +44,6 @@ def _forward_args(**over):
         glu_clamp=float("inf"),
         glu_offset=0.0,
         raster=-1,
-        macrobatches=1,
-        fast_silu=False,
         debug=0,
         stall_rank=-1,
         stall_slot=-1,
@@ -90,7 +88,6 @@ def test_tensor_arguments_are_named(kernel):
 
 
 def test_launcher_refusals_name_the_config_key(kernel):
-    _refused(lambda: _forward(macrobatches=65), "kernel.macrobatches must be an integer in [1, 64], got 65")
     _refused(lambda: _forward(raster=65), "kernel.tile_raster must be an integer in [0, 64] (or unset), got 65")
     _refused(lambda: _forward(ring_slots=65), "ring_slots=65")
     _refused(lambda: _forward(glu=1, glu_clamp=0.0), "glu_clamp must be > 0")

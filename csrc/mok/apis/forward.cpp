@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> forward(
     const std::optional<at::Tensor>& keep_act, const std::optional<at::Tensor>& timeline,
     const std::optional<at::Tensor>& timeline_count, int64_t rank, int64_t epoch, int64_t comm_sms, int64_t ring_slots,
     int64_t minibatch, int64_t ctas, double timeout_ms, int64_t glu, double glu_clamp, double glu_offset,
-    int64_t raster, int64_t macrobatches, bool fast_silu, int64_t debug, int64_t stall_rank, int64_t stall_slot) {
+    int64_t raster, int64_t debug, int64_t stall_rank, int64_t stall_slot) {
   const auto [dev, T, H, K, L, F] = read_problem(kOp, x, topk_idx, w1, w2);
   const bool fp8 = w1[0].scalar_type() == at::kFloat8_e4m3fn;
   check_shape(kOp, "x", x, at::kBFloat16, {T, H}, dev);
@@ -151,8 +151,6 @@ std::tuple<at::Tensor, at::Tensor> forward(
     a.keep_rows = keep_rows;
   }
   a.raster = (int)raster;
-  a.macrobatches = (int)macrobatches;
-  a.fast_silu = fast_silu ? 1 : 0;
   a.debug = (int)debug;
 
   launch_with_workspace(kOp, a, &mok_host::forward_workspace_bytes, &mok_host::forward_launch, err, dev);

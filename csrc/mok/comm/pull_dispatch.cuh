@@ -16,7 +16,6 @@
 #pragma once
 #include "common.cuh"
 #include "quant/fp8_quant.cuh"
-#include "comm/push_combine.cuh"
 #include "comm/ring_buffer.cuh"
 #include "timeline.cuh"
 #include "comm/timeout.cuh"
@@ -100,18 +99,16 @@ __device__ __forceinline__ void quantize_sources(const Params& P) {
 }
 
 // Warps gw, gw + stride, ... of a CTA pull layout rows [a, b) of minibatch i into its ring slot.
-template <bool kFp8, int U = kPullUnroll, int kFeat = kFeatAll>
+template <bool kFp8, int U = kPullUnroll>
 __device__ __forceinline__ void pull_rows(const Params& P, int q, int i, int gw, int stride) {
-  const int* off = seg_table<kFeat>(P, q);
-  const int ns = P.nseg;
+  const int* off = expert_offsets(P, q);
   const int H = P.H;
   const int lane = threadIdx.x & 31;
   const int2* layout = P.layout + (long long)part(P, q) * P.layout_cap;
-  const int a = mb_begin(off, ns, P.minibatch, i), b = mb_begin(off, ns, P.minibatch, i + 1);
-  for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {  // processing-order rows
-    const int lr = layout_row<kFeat>(P, q, off, row);
-    const int2 src = layout[lr];
-    const long long r = slot_row(P, q, i, a, row, lr);
+  const int a = mb_begin(off, P.L, P.minibatch, i), b = mb_begin(off, P.L, P.minibatch, i + 1);
+  for (int row = a + gw; row < b && !MOK_DBG(8); row += stride) {
+    const int2 src = layout[row];
+    const long long r = slot_row(P, q, i, a, row, row);
     if constexpr (kFp8) {
       const long long t = src.y / P.K;  // the token's row of its rank's source-quantised copy (quantize_sources)
       copy_row_e4m3<U>(reinterpret_cast<uint8_t*>(P.ring) + r * H, P.ring_scale + fp8_scale_at(P, r, 0, H / kScaleBlock),
@@ -133,8 +130,6 @@ __device__ __forceinline__ unsigned ready_target(const Params& P, int mb) {
 }
 
 // Before pulling minibatch i into slot i % S: minibatch i - S (same slot) has been fully combined.
-// (The segment table through its run-time test, not the instance's kFeat: that raised the lean bf16
-// instance's spill loads from 128 to 276 bytes, untimed; a lean launch has macrobatches 1 either way.)
 __device__ __forceinline__ bool wait_slot_free(const Params& P, int q, int i) {
   const int S = P.ring_slots;
   if (i < S) return true;
@@ -149,19 +144,19 @@ __device__ __forceinline__ void publish_pulled(const Params& P, int q, int i) {
 }
 
 // A compute CTA's share of minibatch 0 (all 384 threads, before its pipeline starts).
-template <bool kFp8, int kFeat>
+template <bool kFp8>
 __device__ __forceinline__ void compute_pulls_first_minibatch(const Params& P, int q, int local) {
   const int warp = threadIdx.x >> 5;
-  pull_rows<kFp8, kPullUnroll, kFeat>(P, q, 0, local * kWarps + warp, P.ctas_per_rank * kWarps);
+  pull_rows<kFp8>(P, q, 0, local * kWarps + warp, P.ctas_per_rank * kWarps);
   fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
   __syncthreads();
   if (threadIdx.x == 0) publish_pulled(P, q, 0);
 }
 
 // Returns false if the kernel is aborting.
-template <bool kFp8, int kFeat>
+template <bool kFp8>
 __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
-  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];  // rows of the owner (any segment order)
+  const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];  // rows of the owner
   const int nmb = num_minibatches(N, P.minibatch);
   const int warp = threadIdx.x >> 5;
   const int gw = c * kWarps + warp;
@@ -173,7 +168,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
     }
     const unsigned long long t0 = globaltimer_ns();
     // minibatch 0: this CTA's share among all ctas_per_rank CTAs (compute_pulls_first_minibatch)
-    pull_rows<kFp8, kPullUnroll, kFeat>(P, q, i, gw, (i == 0 ? P.ctas_per_rank : P.comm_sms) * kWarps);
+    pull_rows<kFp8>(P, q, i, gw, (i == 0 ? P.ctas_per_rank : P.comm_sms) * kWarps);
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -190,7 +185,7 @@ __device__ bool dispatch_role(const Params& P, int q, int c, int* s_flag) {
 // except through the ready counters, which earlier tickets' tiles fill, so there is no cycle.
 // s_flag: one int of smem the three warps share. The CTA's index is recomputed here, not passed down:
 // a value kept live across the consumers' code costs them a spilled register.
-template <bool kFp8, int kFeat>
+template <bool kFp8>
 __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
   const int local = (int)(blockIdx.x % (unsigned)P.ctas_per_rank);
   const int N = P.expert_off[part(P, q) * (P.L + 1) + P.L];
@@ -205,7 +200,7 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
       if (!*s_flag) return;
     }
     const unsigned long long t0 = globaltimer_ns();
-    pull_rows<kFp8, kInSmPullUnroll<kFp8>, kFeat>(P, q, i, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
+    pull_rows<kFp8, kInSmPullUnroll<kFp8>>(P, q, i, local * kInSmPullWarps + w, P.ctas_per_rank * kInSmPullWarps);
     fence_proxy_async_global();  // the slot is read next by TMA (async proxy)
     named_bar_sync(kInSmPullBarrier, kThreadsPulling);
     if (leader) {
@@ -213,8 +208,6 @@ __device__ void insm_pull_role(const Params& P, int q, int* s_flag) {
       publish_pulled(P, q, i);
     }
   }
-  // token chunks (B > 1): with every minibatch pulled, these warps sum chunks 0 .. B-2 as they complete
-  if (feat_chunks<kFeat>(P) && !MOK_DBG(1)) chunk_sums<1, 4>(P, q);
 }
 
 }  // namespace mok

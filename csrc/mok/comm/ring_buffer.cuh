@@ -1,14 +1,8 @@
 // Ring buffer protocol between the comm (dispatch) SMs and the compute (expert FFN) SMs of one rank.
 //
-//   minibatch i = rows [mb_begin(i), mb_begin(i+1)) of rank q's processing order (may span segments),
+//   minibatch i = rows [mb_begin(i), mb_begin(i+1)) of rank q's expert-major layout (may span experts),
 //                 i < nmb = ceil(N_q / M); boundary i is i*M rounded down to the kBM-row tile grid of the
-//                 segment it falls in, so a minibatch holds < M + kBM rows (P.slot_rows = M + kBM - 1).
-//                 The processing order is the expert-major layout itself (one segment per expert), or with
-//                 token chunks (MOK_MACROBATCHES = B > 1, EP 1) B x L segments (chunk J, expert e), J-major:
-//                 expert e's layout rows [c_J(e), c_{J+1}(e)), c_J(e) = its rows from the tokens before chunk
-//                 J rounded down to 128 (schedule.cuh). Same tiles as B = 1 (only an expert's last segment
-//                 ends in a partial one); the final sum of chunk J's tokens runs once its segments are pushed
-//                 (push_combine.cuh: chunk_sums), while the later chunks' GEMMs run.
+//                 expert it falls in, so a minibatch holds < M + kBM rows (P.slot_rows = M + kBM - 1).
 //   slot s = i % S, round j = i / S
 //   ready[q][i]      : +1 by each pulling CTA after it copied its share of minibatch i into slot s.
 //                      Compute may read slot s for minibatch i once ready >= comm_sms (minibatch 0, and
@@ -23,8 +17,8 @@
 //   minibatch i owns cnt_i * (nt1 + nt2) consecutive tickets, cnt_i = its row blocks (count_mtiles);
 //   u = ticket - first ticket of i:  u < cnt_i*nt1 -> fc1 tile (raster 0: mt = u / nt1, nt = u % nt1)
 //                                    else          -> fc2 tile (mt, nt over nt2)
-// Row blocks ("m-tiles") of a minibatch: each segment inside the minibatch split into kBM-row tiles, in
-// segment order; mt_max = ceil(slot_rows / kBM) + min(segments, slot_rows) - 1 bounds their number.
+// Row blocks ("m-tiles") of a minibatch: each expert segment inside the minibatch split into kBM-row tiles, in
+// expert order; mt_max = ceil(slot_rows / kBM) + min(L, slot_rows) - 1 bounds their number.
 // Only an expert's last row block can be partial: a boundary never cuts a tile in two (with fixed
 // i*M boundaries the DeepSeek-V3 slice, 32 experts, ran ~3 % more tiles at M = 2048).
 #pragma once
@@ -40,10 +34,10 @@ struct TileInfo {
   int round;
   int mt, nt;
   int expert;    // local expert id
-  int row0;      // first processing-order row of the tile (= layout row unless token chunks, B > 1)
+  int row0;      // first layout row of the tile (its ring rows: slot_row)
   int rows;      // valid rows (<= kBM)
-  int mb_start;  // first processing-order row of the minibatch
-  int lrow0;     // first layout row of the tile (saved h, push rows, kept rows)
+  int mb_start;  // first layout row of the minibatch
+  int lrow0;     // first layout row of the tile as the saved h, push rows and kept rows read it (= row0)
   int nk;        // K blocks (stages) of the tile
 };
 
@@ -100,42 +94,27 @@ __host__ __device__ __forceinline__ int mb_begin(const int* off, int L, int M, i
   return off[lo] + (int)((p - off[lo]) / kBM) * kBM;
 }
 
-// Processing-order segment table of owner q (offsets [nseg + 1]; segment s runs local expert s % L):
-// B = 1 the expert offsets themselves, B > 1 the (token chunk, expert) segments (schedule_place).
-template <int kFeat = kFeatAll>
-__device__ __forceinline__ const int* seg_table(const Params& P, int q) {
-  return feat_chunks<kFeat>(P) ? P.seg_off + (long long)part(P, q) * (P.nseg + 1) : P.expert_off + part(P, q) * (P.L + 1);
-}
-
-// Layout row of processing-order row v of owner q (off = seg_table(P, q)); B = 1: v itself.
-template <int kFeat = kFeatAll>
-__device__ __forceinline__ int layout_row(const Params& P, int q, const int* off, int v) {
-  if (!feat_chunks<kFeat>(P)) return v;
-  int lo = 0, hi = P.nseg - 1;  // the segment holding v: the last s with off[s] <= v (empty ones come earlier)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (off[mid] <= v) lo = mid; else hi = mid - 1;
-  }
-  return P.seg_lrow[(long long)part(P, q) * P.nseg + lo] + (v - off[lo]);
+// Expert offsets of owner q ([L + 1], schedule_place).
+__device__ __forceinline__ const int* expert_offsets(const Params& P, int q) {
+  return P.expert_off + part(P, q) * (P.L + 1);
 }
 
 // Row of rank q's ring (and of its activation / scale rows: same [nparts][S][slot_rows] indexing) that
-// holds processing-order row v (layout row lrow) of minibatch i (first row a): the ring holds a minibatch
-// in processing order from its slot's first row; kept rows (P.kept_layout: the ring is the owner's
-// layout-order buffer, one slot per minibatch) sit at their layout rows.
+// holds layout row v (= lrow) of minibatch i (first row a): the ring holds a minibatch from its slot's first
+// row; kept rows (P.kept_layout: the ring is the owner's layout-order buffer, one slot per minibatch) sit at
+// their layout rows.
 __device__ __forceinline__ long long slot_row(const Params& P, int q, int i, int a, int v, int lrow) {
   if (P.kept_layout) return (long long)part(P, q) * P.ring_slots * P.slot_rows + lrow;
   return (long long)(part(P, q) * P.ring_slots + i % P.ring_slots) * P.slot_rows + (v - a);
 }
 
-// Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout
-// (slack: secondary waiters wait longer, so the stalled stage's own waiter reports first).
-__device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase, int slack = 1) {
-  const int M = P.minibatch, ns = P.nseg;
-  const int* off = seg_table(P, q);
+// Minibatch i's fc2 tiles have all pushed their rows (its mb_done counter), reported as `phase` on a timeout.
+__device__ __forceinline__ bool wait_mb_done(const Params& P, int q, int i, int phase) {
+  const int M = P.minibatch, L = P.L;
+  const int* off = expert_offsets(P, q);
   const unsigned need =
-      (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, ns, mb_begin(off, ns, M, i), mb_begin(off, ns, M, i + 1)));
-  return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase, slack);
+      (unsigned)(kConsumerWGs * P.nt2 * count_mtiles(off, L, mb_begin(off, L, M, i), mb_begin(off, L, M, i + 1)));
+  return wait_counter_geq(P, ctr_mb_done(P, q, i), need, q, i % P.ring_slots, phase);
 }
 
 }  // namespace mok

@@ -105,15 +105,6 @@ static __device__ void schedule_count(const Params& P, int* s_cnt, int cnt_ints)
         }
       }
     }
-    if (P.macrobatches > 1) {
-      // token chunks: a token's chunk starts as its own token chunk (phase C raises it to the latest chunk
-      // holding one of its rows, never lower); a token with no rows at all (every slot -1) keeps it, so
-      // some chunk's sum writes its zero output (sum_chunk: chunk J's tokens lie before token chunk J's end)
-      const int c = g - rt.chunk_base;
-      const int J = (int)(((long long)c * P.macrobatches) / P.num_chunks);
-      int* done = P.token_done + rt.entry_base / P.K;
-      for (int t = c * kChunkTokens + lane; t < min(rt.T, (c + 1) * kChunkTokens); t += 32) done[t] = J;
-    }
     __syncwarp();
     for (int e = lane; e < P.E; e += 32) {  // the chunk's nonzero counts out (chunk_counts is zero elsewhere)
       const int n = wcnt[e];
@@ -147,16 +138,6 @@ static __device__ void schedule_scan(const Params& P) {
       running += __shfl_sync(0xffffffffu, incl, 31);
     }
     if (lane == 0) P.expert_total[e] = running;
-    if (P.macrobatches > 1) {
-      // token chunks (EP 1: chunk order = token order): expert e's rows from the tokens before chunk j
-      // start at its exclusive count of the 128-token chunk ceil(j * num_chunks / B)
-      __syncwarp();  // the other lanes' cc[] stores
-      const int B = P.macrobatches;
-      for (int j = lane; j <= B; j += 32) {
-        const int c = (int)(((long long)j * P.num_chunks + B - 1) / B);
-        P.expert_cut[(long long)e * (B + 1) + j] = c < P.num_chunks ? cc[c] : running;
-      }
-    }
   }
 }
 
@@ -183,45 +164,6 @@ static __device__ void schedule_place(const Params& P, int* s_start) {
     if (blockIdx.x == 0 && run > P.owner_rows) record_error(P, kErrCapacity, q, -1, kPhaseSchedule, P.owner_rows, run, 0);
   }
   __syncthreads();
-  const int B = P.macrobatches;
-  int* s_cut = s_start + P.E;  // B > 1: cut c_j(e) of every expert, [E][B + 1]
-  if (B > 1) {
-    // expert e's segment of chunk J is its rows [c_J(e), c_{J+1}(e)): the rows of the tokens before chunk
-    // J+1, rounded down to the 128-row tile grid (so only an expert's last segment has a partial tile);
-    // the rows past a cut (< 128 per expert) are processed with the next chunk
-    for (int i = threadIdx.x; i < P.E * (B + 1); i += blockDim.x) {
-      const int e = i / (B + 1), j = i % (B + 1);
-      const int rows = P.expert_total[e];
-      s_cut[i] = j == 0 ? 0 : j == B ? rows : min(rows, P.expert_cut[i] / kBM * kBM);
-    }
-    __syncthreads();
-    // processing-order offsets of the segments (J, e), J-major, by one warp per owner of this launch
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (blockIdx.x == 0 && w < P.R && in_launch(P, w)) {
-      const int q = w, L = P.L, ns = P.nseg;
-      int* so = P.seg_off + (long long)part(P, q) * (ns + 1);
-      int* sl = P.seg_lrow + (long long)part(P, q) * ns;
-      int run = 0;
-      for (int b0 = 0; b0 < ns; b0 += 32) {
-        const int sg = b0 + lane;
-        int len = 0;
-        if (sg < ns) {
-          const int J = sg / L, e = q * L + sg % L;
-          len = s_cut[e * (B + 1) + J + 1] - s_cut[e * (B + 1) + J];
-          sl[sg] = s_start[e] + s_cut[e * (B + 1) + J];  // s_start: the expert's first layout row
-        }
-        int incl = len;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int n = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += n;
-        }
-        if (sg < ns) so[sg] = run + incl - len;
-        run += __shfl_sync(0xffffffffu, incl, 31);
-      }
-      if (lane == 0) so[ns] = run;
-    }
-  }
   const int lane = threadIdx.x & 31;
   const int gwarp = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int nwarps = gridDim.x * kWarps;
@@ -252,14 +194,6 @@ static __device__ void schedule_place(const Params& P, int* s_start) {
         const int ent = b0 + 32 * u + lane;
         if (pos[u] >= 0 && pos[u] < P.layout_cap)
           P.layout[(long long)part(P, exs[u] / P.L) * P.layout_cap + pos[u]] = make_int2(r, ent);
-        if (B > 1 && pos[u] >= 0) {
-          // the chunk after whose segments this token's rows are all pushed: the latest over its entries
-          const int ex = exs[u];
-          const int p = (int)(pos[u] - s_start[ex]);  // row within its expert
-          int J = 0;
-          while (J + 1 < B && s_cut[ex * (B + 1) + J + 1] <= p) ++J;
-          atomicMax(P.token_done + rt.entry_base / P.K + ent / P.K, J);
-        }
       }
     }
   }

@@ -43,14 +43,13 @@ struct ComputeSmem {
   uint64_t* info_full;
   uint64_t* info_empty;
   TileInfo* info;
-  int* off;        // [nseg + 1] processing-order segment offsets (seg_table; B = 1: the experts')
-  int* lrow;       // [nseg] B > 1: layout row of each segment's first row
+  int* off;        // [L + 1] the owner's expert offsets (expert_offsets)
   int* pull_flag;  // in-SM pull warps' shared verdict (insm_pull_role)
 };
 
 __host__ __device__ constexpr int compute_smem_bytes() {
   return kStages * kStageBytes + (2 * kStages + 4) * 8 + 2 * (int)sizeof(TileInfo) +
-         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + MOK_MAX_LOCAL_EXPERTS * 4 + 64;  // ..., pull flag
+         (MOK_MAX_LOCAL_EXPERTS + 1) * 4 + 64;  // ..., pull flag
 }
 
 __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
@@ -62,8 +61,7 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
   s.info_empty = s.info_full + 2;
   s.info = reinterpret_cast<TileInfo*>(s.info_empty + 2);
   s.off = reinterpret_cast<int*>(s.info + 2);
-  s.lrow = s.off + MOK_MAX_LOCAL_EXPERTS + 1;
-  s.pull_flag = s.lrow + MOK_MAX_LOCAL_EXPERTS;  // inside compute_smem_bytes' 64 spare bytes
+  s.pull_flag = s.off + MOK_MAX_LOCAL_EXPERTS + 1;  // inside compute_smem_bytes' 64 spare bytes
   return s;
 }
 
@@ -71,20 +69,6 @@ __device__ __forceinline__ ComputeSmem carve_smem(uint8_t* smem) {
 // __fdividef, not "/": an IEEE division has a subroutine slow path, and any CALL in the consumer region
 // makes ptxas drop the setmaxnreg budget (224) back to the launch bound (168 registers, spills).
 __device__ __forceinline__ float silu_f(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
-// The FP8 kernel's SiLU: g * sigmoid(g) with sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU (tanh.approx)
-// instead of two (ex2 + rcp). An fc1 epilogue runs 64 SiLUs per thread, 128 MUFUs at 8 cycles per warp
-// each on its sub-partition's 4 SFU lanes: ~1000 cycles of the ~3500 the epilogue takes, during which
-// this warpgroup's tensor work is not queued. tanh.approx's error (<= 2^-10.99 relative, i.e. <= 2.5e-4
-// absolute in the sigmoid) is well below the e4m3 rounding of the SwiGLU output that follows (2^-4) in
-// absolute terms -- not relatively for g < -5, where 0.5 + 0.5 tanh cancels (the SiLU there is tiny) --
-// and it moves a few of those roundings. The backward recomputes the SwiGLU output (dW2) with the exact
-// SiLU. Opt-in (MOK_FP8_FAST_SILU=1) until timed and its error measured; the bf16 kernel keeps silu_f.
-__device__ __forceinline__ float silu_tanh_f(float g) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * g));
-  return g * fmaf(0.5f, t, 0.5f);
-}
-
 // The weight maps of a kind-1 (fc1) or kind-2 (fc2) tile of expert g, fetched while the tile waits for its
 // dependency and for a free stage.
 __device__ __forceinline__ void prefetch_tile_maps(const Params& P, int g, int kind) {
@@ -144,19 +128,18 @@ __device__ __forceinline__ void stream_tile(const Params& P, int q, const Comput
 }
 
 // ------------------------------------------------------------------------------------------------
-template <bool kFp8, int kFeat>
+template <bool kFp8>
 __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
   const int L = P.L, M = P.minibatch, S = P.ring_slots;
-  const int NS = P.nseg;  // processing-order segments (B = 1: the experts)
-  const int N = sm.off[NS];
+  const int N = sm.off[L];
   const int nmb = num_minibatches(N, M);
   // Dense tickets: minibatch mb owns cnt(mb) * (nt1 + nt2) consecutive tickets, cnt = its row blocks
   // (count_mtiles), not a worst-case mt_max: every ticket is a tile, none is drawn only to be skipped (an
   // atomic round trip each; ~30 of 48 row-block slots per minibatch of the DeepSeek-V3 slice were empty).
   // The tickets one producer draws only grow, so it walks a cursor over the minibatches.
   const unsigned per_mt = (unsigned)(P.nt1 + P.nt2);
-  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, NS, M, 1);
-  int cur_cnt = count_mtiles(sm.off, NS, cur_a, cur_b);
+  int cur_mb = 0, cur_a = 0, cur_b = mb_begin(sm.off, L, M, 1);
+  int cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
   unsigned cur_base = 0;
   int st = 0;
   uint32_t ph = 0;
@@ -171,8 +154,8 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
         cur_base += (unsigned)cur_cnt * per_mt;
         ++cur_mb;
         cur_a = cur_b;
-        cur_b = mb_begin(sm.off, NS, M, cur_mb + 1);
-        cur_cnt = count_mtiles(sm.off, NS, cur_a, cur_b);
+        cur_b = mb_begin(sm.off, L, M, cur_mb + 1);
+        cur_cnt = count_mtiles(sm.off, L, cur_a, cur_b);
       }
       if (cur_mb >= nmb) break;  // every tile handed out
       const int mb = cur_mb, cnt = cur_cnt;
@@ -194,18 +177,16 @@ __device__ void ffn_producer(const Params& P, int q, const ComputeSmem& sm) {
       }
       const int a = cur_a, b = cur_b;
       const int s = mb % S, j = mb / S;
-      int sg = 0, row0 = 0, rows = 0;
-      if (!find_mtile(sm.off, NS, a, b, mt, sg, row0, rows)) {  // cannot happen: mt < cnt by construction
+      int e = 0, row0 = 0, rows = 0;
+      if (!find_mtile(sm.off, L, a, b, mt, e, row0, rows)) {  // cannot happen: mt < cnt by construction
         record_error(P, kErrInternal, q, s, kPhasePipeline, cnt, mt, 5);
         break;
       }
-      const int e = sg % L;  // segment sg runs local expert sg % L
-      const int lrow0 = feat_chunks<kFeat>(P) ? sm.lrow[sg] + (row0 - sm.off[sg]) : row0;
       prefetch_tile_maps(P, q * L + e, kind);
       if (!wait_tile_inputs(P, q, kind, mb, mt)) break;  // abort: publish exit
       fence_proxy_async_global();
       ti.kind = kind; ti.mb = mb; ti.slot = s; ti.round = j; ti.mt = mt; ti.nt = nt;
-      ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a; ti.lrow0 = lrow0;
+      ti.expert = e; ti.row0 = row0; ti.rows = rows; ti.mb_start = a; ti.lrow0 = row0;
       ti.nk = kind == 1 ? ceil_div(P.H, kFp8 ? kBKf8 : kBK) : ceil_div(P.F, kFp8 ? kBKf8 : kBK);
       break;
     }
@@ -362,22 +343,18 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       }
     if constexpr (kFp8) {
       // SwiGLU in fp32, quantised per row (the tile's 128 columns are one 1 x 128 block) for fc2
-      auto swiglu_row = [&](int h, auto silu) {  // in place over the gate values (saved h was stored above)
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        const int r = r_lo + 8 * h;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {  // in place over the gate values (saved h was stored above)
 #pragma unroll
           for (int p = 0; p < 2; ++p) {
             float g = acc[4 * j + 2 * h + p], u = acc[4 * (j + 16) + 2 * h + p];
             if (feat_glu<kFeat>(P)) glu_inputs(P, g, u);
-            acc[4 * j + 2 * h + p] = silu(g) * u;
+            acc[4 * j + 2 * h + p] = silu_f(g) * u;
           }
         }
-      };
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = r_lo + 8 * h;
-        if (feat_fast_silu<kFeat>(P)) swiglu_row(h, [](float g) { return silu_tanh_f(g); });
-        else swiglu_row(h, [](float g) { return silu_f(g); });
         const bool ok = r < ti.rows && !MOK_DBG(4);
         uint8_t* dst = ok ? reinterpret_cast<uint8_t*>(P.act) + (srow + r) * F + ti.nt * kFc1ActCols : nullptr;
         store_act_row_e4m3(dst, P.act_scale + fp8_scale_at(P, srow + r, ti.nt, F / kScaleBlock), acc, h, lane);
@@ -440,21 +417,18 @@ __device__ bool compute_role(const Params& P, int q, uint8_t* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  {  // the processing-order segment table (B = 1: the expert offsets) and, with token chunks, layout rows
-    const int ns = P.nseg;
-    const int* so = seg_table<kFeat>(P, q);
-    for (int e = threadIdx.x; e <= ns; e += blockDim.x) sm.off[e] = so[e];
-    if (feat_chunks<kFeat>(P))
-      for (int e = threadIdx.x; e < ns; e += blockDim.x) sm.lrow[e] = P.seg_lrow[(long long)part(P, q) * ns + e];
+  {  // the expert offsets
+    const int* eo = expert_offsets(P, q);
+    for (int e = threadIdx.x; e <= P.L; e += blockDim.x) sm.off[e] = eo[e];
   }
   __syncthreads();
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<56>();
     if (threadIdx.x == 0) {  // warp 0, lane 0: the producer
-      ffn_producer<kFp8, kFeat>(P, q, sm);
+      ffn_producer<kFp8>(P, q, sm);
     } else if (threadIdx.x >= 32) {  // warps 1-3: the in-SM pull (comm_sms == 0)
-      if (P.comm_sms == 0) insm_pull_role<kFp8, kFeat>(P, q, sm.pull_flag);
+      if (P.comm_sms == 0) insm_pull_role<kFp8>(P, q, sm.pull_flag);
     }
     return false;
   } else {

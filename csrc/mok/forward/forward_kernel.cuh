@@ -77,28 +77,19 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
   const int n_comp = P.ctas_per_rank - P.comm_sms;
   const int warp = threadIdx.x >> 5;
   const int nworkers = P.comm_sms * kWarps + n_comp * 8;
-  // token chunks (B > 1): the early sums of chunks 0 .. B-2 start before (chunk_sums); the final sum takes
-  // what they left and chunk B-1 (sum_all_chunks)
-  const bool chunked = feat_chunks<kFeat>(P);
-  const int last_chunk = chunked ? P.macrobatches - 1 : 0;
   if (local < P.comm_sms) {
-    if (!dispatch_role<kFp8, kFeat>(P, q, local, &s_flag)) return;
-    // (an abort inside is recorded in P.err: the wait below then fails for every thread of the CTA)
-    if (chunked && !MOK_DBG(1)) chunk_sums<2, 8>(P, q);
+    if (!dispatch_role<kFp8>(P, q, local, &s_flag)) return;
     if (threadIdx.x == 0) s_flag = wait_all_computed(P, q, n_comp) ? 1 : 0;
     __syncthreads();
     if (!s_flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) {
-      if (chunked) sum_all_chunks<2>(P, q);
-      else combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
-    }
+    if (!MOK_DBG(1)) combine_reduce<2>(P, q, local * kWarps + warp, nworkers);
     if (P.timeline) {
       __syncthreads();
-      if (threadIdx.x == 0) timeline_record(P, kTlCombine, (unsigned)last_chunk, t0, globaltimer_ns());
+      if (threadIdx.x == 0) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
     }
   } else {
-    compute_pulls_first_minibatch<kFp8, kFeat>(P, q, local);  // every SM helps with the first slot
+    compute_pulls_first_minibatch<kFp8>(P, q, local);  // every SM helps with the first slot
     if (!compute_role<kFp8, kFeat>(P, q, smem)) return;  // producer warpgroup leaves here
     // consumer warpgroups (256 threads) join the final weighted sum
     int* flag = reinterpret_cast<int*>(smem);  // pipeline smem is no longer used
@@ -106,13 +97,10 @@ __global__ void __launch_bounds__(kThreads, 1) mok_forward_kernel(const __grid_c
     named_bar_sync(1, 256);
     if (!*flag) return;
     const unsigned long long t0 = globaltimer_ns();
-    if (!MOK_DBG(1)) {
-      if (chunked) sum_all_chunks<4>(P, q);
-      else combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
-    }
+    if (!MOK_DBG(1)) combine_reduce<4>(P, q, P.comm_sms * kWarps + (local - P.comm_sms) * 8 + (warp - 4), nworkers);
     if (P.timeline) {
       named_bar_sync(1, 256);
-      if (threadIdx.x == 128) timeline_record(P, kTlCombine, (unsigned)last_chunk, t0, globaltimer_ns());
+      if (threadIdx.x == 128) timeline_record(P, kTlCombine, 0, t0, globaltimer_ns());
     }
   }
 }

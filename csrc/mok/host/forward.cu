@@ -24,14 +24,10 @@ using namespace mok_host;
 
 struct WsLayout {
   size_t tmaps, ranks, wscale, src_ptrs, ring, ring_scale, act, act_scale, xq, xs, layout, local_rank, expert_total,
-      expert_off, seg_off, seg_lrow, expert_cut, zero_begin, counters, chunk_counts, token_done, chunk_cursor, zero_end,
-      total;
+      expert_off, zero_begin, counters, chunk_counts, zero_end, total;
   long long layout_cap;
-  int num_chunks, total_entries, mt_max, mb_cap, E, B;
+  int num_chunks, total_entries, mt_max, mb_cap, E;
 };
-
-// Token chunks (ring_buffer.cuh: seg_table): 1 (off) for 0.
-int macrobatches(const MokLaunchArgs* a) { return a->macrobatches == 0 ? 1 : a->macrobatches; }
 
 bool validate(const MokLaunchArgs* a, char* eb, int el) {
   if (!rank_launch_ok(a, eb, el)) return false;
@@ -50,20 +46,8 @@ bool validate(const MokLaunchArgs* a, char* eb, int el) {
                       a->minibatch);
   if (a->keep_x && a->keep_rows / a->minibatch >= (1 << 24))
     return !write_err(eb, el, "keep_rows=%lld holds >= 2^24 minibatches of %d rows", a->keep_rows, a->minibatch);
-  const int B = macrobatches(a);
-  if (B < 1 || B > 64) return !write_err(eb, el, "kernel.macrobatches must be an integer in [1, 64], got %d", B);
-  if (B > 1 && a->R != 1)
-    return !write_err(eb, el,
-                      "kernel.macrobatches=%d needs EP 1 (one rank): with several source ranks a token chunk's rows "
-                      "are not contiguous in an expert's layout rows",
-                      B);
-  if ((long long)B * a->L > MOK_MAX_LOCAL_EXPERTS)
-    return !write_err(eb, el, "kernel.macrobatches=%d x %d local experts exceeds %d row segments", B, a->L,
-                      MOK_MAX_LOCAL_EXPERTS);
   if (a->raster < -1 || a->raster > 64)
     return !write_err(eb, el, "kernel.tile_raster must be an integer in [0, 64] (or unset), got %d", a->raster);
-  if (a->fast_silu != 0 && a->fast_silu != 1)
-    return !write_err(eb, el, "kernel.fast_silu must be 0 or 1, got %d", a->fast_silu);
   return true;
 }
 
@@ -81,8 +65,6 @@ int slot_rows(const MokLaunchArgs* a) { return a->keep_x ? a->minibatch : a->min
 WsLayout plan(const MokLaunchArgs* a) {
   WsLayout w{};
   w.E = a->R * a->L;
-  w.B = std::max(1, macrobatches(a));
-  const int nseg = w.B * a->L;  // processing-order segments per owner (B = 1: the experts)
   const int np = launch_parts(a);
   long long entries = 0;
   int chunks = 0;
@@ -96,7 +78,7 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.mb_cap = (int)std::max<long long>(1, (entries + a->minibatch - 1) / a->minibatch);
   // a minibatch holds < minibatch + kBM rows (its boundaries sit on its experts' tile grids, ring_buffer.cuh)
   const int mb_rows = a->minibatch + mok::kBM - 1;
-  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(nseg, mb_rows) - 1;
+  w.mt_max = (mb_rows + mok::kBM - 1) / mok::kBM + std::min(a->L, mb_rows) - 1;
   // kept rows: the caller's buffers are the ring (one slot per minibatch), none in the workspace
   const size_t S = a->keep_x ? 0 : a->ring_slots, M = slot_rows(a);
   size_t off = 0;
@@ -120,15 +102,9 @@ WsLayout plan(const MokLaunchArgs* a) {
   w.local_rank = take((size_t)std::max<long long>(entries, 1) * 4);
   w.expert_total = take((size_t)w.E * 4);
   w.expert_off = take((size_t)np * (a->L + 1) * 4);
-  const bool chunked = w.B > 1;  // token chunks' tables (none otherwise: the layout above is unchanged)
-  w.seg_off = take(chunked ? (size_t)np * (nseg + 1) * 4 : 0);
-  w.seg_lrow = take(chunked ? (size_t)np * nseg * 4 : 0);
-  w.expert_cut = take(chunked ? (size_t)w.E * (w.B + 1) * 4 : 0);
   w.zero_begin = off;
   w.counters = take((size_t)mok::ctr_count(np, w.mb_cap, w.mt_max) * 4);
   w.chunk_counts = take((size_t)w.E * std::max(chunks, 1) * 4);
-  w.token_done = take(chunked ? (size_t)std::max<long long>(tokens, 1) * 4 : 0);  // atomicMax from 0
-  w.chunk_cursor = take(chunked ? (size_t)np * w.B * 4 : 0);
   w.zero_end = off;
   w.total = off;
   return w;
@@ -136,14 +112,12 @@ WsLayout plan(const MokLaunchArgs* a) {
 
 int smem_bytes(int E) { return std::max(mok::compute_smem_bytes(), E * 4 + 64) + 1024; }
 
-// The forward kernel's instances, indexed by (fp8) + 2 * (SwiGLU variant) or + 4 (every feature): see forward_launch.
+// The forward kernel's instances, indexed by (fp8) + 2 * (SwiGLU variant): see forward_launch.
 using ForwardKernel = void (*)(const mok::Params);
-const ForwardKernel kForwardKernels[6] = {mok::mok_forward_kernel<false, 0>,
+const ForwardKernel kForwardKernels[4] = {mok::mok_forward_kernel<false, 0>,
                                           mok::mok_forward_kernel<true, 0>,
                                           mok::mok_forward_kernel<false, mok::kFeatGlu>,
-                                          mok::mok_forward_kernel<true, mok::kFeatGlu>,
-                                          mok::mok_forward_kernel<false, mok::kFeatAll>,
-                                          mok::mok_forward_kernel<true, mok::kFeatAll>};
+                                          mok::mok_forward_kernel<true, mok::kFeatGlu>};
 
 }  // namespace
 
@@ -154,8 +128,6 @@ int load_forward_kernels(int device, char* errbuf, int errlen) {
                            reinterpret_cast<const void*>(kForwardKernels[1]),
                            reinterpret_cast<const void*>(kForwardKernels[2]),
                            reinterpret_cast<const void*>(kForwardKernels[3]),
-                           reinterpret_cast<const void*>(kForwardKernels[4]),
-                           reinterpret_cast<const void*>(kForwardKernels[5]),
                            reinterpret_cast<const void*>(mok::fp8::mok_fp8_gemm_kernel),
                            reinterpret_cast<const void*>(mok::mok_fp8_quantize_weight_kernel),
                            reinterpret_cast<const void*>(mok::mok_mxfp8_quantize_rows_kernel),
@@ -184,13 +156,9 @@ int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, in
   if (a->workspace_bytes < ws.total)
     return write_err(errbuf, errlen, "workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
   const int smem = smem_bytes(ws.E);
-  // The lean kernel instance unless this launch uses an optional feature (common.cuh: FwdFeature)
-  const int fast_silu = a->fp8 ? a->fast_silu : 0;  // validated
-  // Instances: lean (kFeat 0), the SwiGLU variant alone (kFeatGlu: a clamped / offset SwiGLU model runs as fast
-  // as a plain one), and every feature (kFeatAll) for the launches that need another one.
-  const bool other_features = ws.B > 1 || (a->fp8 && fast_silu);
-  const int v = (a->fp8 ? 1 : 0) + (other_features ? 4 : a->glu ? 2 : 0);
-  const ForwardKernel kernel = kForwardKernels[v];
+  // The lean kernel instance (kFeat 0) unless this launch runs the SwiGLU variant (kFeatGlu: a clamped / offset
+  // SwiGLU model runs as fast as a plain one; common.cuh: FwdFeature)
+  const ForwardKernel kernel = kForwardKernels[(a->fp8 ? 1 : 0) + (a->glu ? 2 : 0)];
   if (check_coresident(reinterpret_cast<const void*>(kernel), a->device, smem, np, grid, errbuf, errlen)) return 1;
 
   uint8_t* wsp = reinterpret_cast<uint8_t*>(a->workspace);
@@ -299,8 +267,7 @@ int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, in
   P.mb_cap = ws.mb_cap;
   P.raster = a->raster >= 0 ? a->raster : (a->fp8 ? 0 : 16);  // validated; -1: the measured default (above)
   P.debug = a->debug;
-  P.fp8_fast_silu = fast_silu;  // it picks the kernel instance (above)
-  P.glu = a->glu;  // validated; picks the featured instance
+  P.glu = a->glu;  // validated; picks the SwiGLU-variant instance
   P.glu_clamp = a->glu_clamp;
   P.glu_offset = a->glu_offset;
   P.nt1 = (F + mok::kFc1ActCols - 1) / mok::kFc1ActCols;
@@ -321,13 +288,6 @@ int forward_launch(const MokLaunchArgs* a, cudaStream_t stream, char* errbuf, in
   P.chunk_counts = reinterpret_cast<int*>(wsp + ws.chunk_counts);
   P.expert_total = reinterpret_cast<int*>(wsp + ws.expert_total);
   P.expert_off = reinterpret_cast<int*>(wsp + ws.expert_off);
-  P.macrobatches = ws.B;
-  P.nseg = ws.B * L;
-  P.seg_off = reinterpret_cast<int*>(wsp + ws.seg_off);
-  P.seg_lrow = reinterpret_cast<int*>(wsp + ws.seg_lrow);
-  P.expert_cut = reinterpret_cast<int*>(wsp + ws.expert_cut);
-  P.token_done = reinterpret_cast<int*>(wsp + ws.token_done);
-  P.chunk_cursor = reinterpret_cast<unsigned*>(wsp + ws.chunk_cursor);
   P.counters = reinterpret_cast<unsigned*>(wsp + ws.counters);
   if (a->fp8) {
     P.wscale = reinterpret_cast<const float* const*>(wsp + ws.wscale);

@@ -76,15 +76,11 @@ struct MokLaunchArgs : MokRankLaunch {
   // workspace and these are ignored.
   const unsigned long long* xq;
   const unsigned long long* xs;
-  // Tuning (config keys kernel.tile_raster / macrobatches / fast_silu; none changes a result bit but fast_silu):
-  // raster: ticket order of a GEMM stage, 0 row-block major, 1 n-tile major, G in [2, 64] bands of G row blocks,
-  // -1 the measured default (bf16 16: each wave's expert weights stay in L2, 2.6-5.4 % faster on the H200; fp8
-  // 0: bands were 1.8-2.7 % slower, its weights are half the bytes). macrobatches: token chunks B in [1, 64]
-  // (0 = 1), EP 1 only: the final sums of the first B - 1 chunks overlap the later GEMMs. fast_silu (fp8): SiLU
-  // through tanh.approx in the fc1 epilogue (expert_ffn.cuh: silu_tanh_f).
+  // Tuning (config key kernel.tile_raster; changes no result bit): raster: ticket order of a GEMM stage, 0
+  // row-block major, 1 n-tile major, G in [2, 64] bands of G row blocks, -1 the measured default (bf16 16: each
+  // wave's expert weights stay in L2, 2.6-5.4 % faster on the H200; fp8 0: bands were 1.8-2.7 % slower, its
+  // weights are half the bytes).
   int raster;
-  int macrobatches;
-  int fast_silu;
   // Timing ablations of the -DMOK_ABLATION build (common.cuh: MOK_DBG bits; results wrong); 0 otherwise.
   int debug;
 };
