@@ -124,12 +124,8 @@ class OwnPathSplit:
     entry and exit (module hooks) and around the backend's forward (the kernel call, as ``KernelAlone`` times it).
     The layer's own path of a call is its span less the router's and the kernel call's parts."""
 
-    def __init__(self, layer, x: torch.Tensor) -> None:
-        self.layer, self.x = layer, x
-        from megatron_mok.experts import expert_weights
-
-        fc2_weight = expert_weights(layer.experts)[1][0]
-        self.backend = layer.token_dispatcher.backend_for(x.reshape(-1, x.shape[-1]), fc2_weight)
+    def __init__(self, layer, x: torch.Tensor, backend) -> None:
+        self.layer, self.x, self.backend = layer, x, backend  # backend: the layer's, as ``KernelAlone`` has it
         self.marks: list[torch.cuda.Event] = []
 
     def _mark(self) -> None:
@@ -225,8 +221,10 @@ def errors_vs_fp32(layer, x: torch.Tensor, n: int) -> dict[str, float]:
     }
 
 
-def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -> dict[str, Callable[[], object]]:
-    """Every timed variant of one slice (name -> one call)."""
+def variants(
+    layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int
+) -> tuple[dict[str, Callable[[], object]], dict[str, OwnPathSplit]]:
+    """Every timed variant of one slice (name -> one call), and per layer kind the own-path split of its forward."""
     f1, f2 = dense_fns(rows, H, F)
     fp8 = fp8_ceiling_fns(rows, H, F, L)
     fns: dict[str, Callable[[], object]] = {"dense_bf16": lambda: (f1(), f2())}
@@ -236,8 +234,10 @@ def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -
     fns["router"] = lambda: some.router(x)
     xg = x.detach().requires_grad_()
     grad = (torch.randn_like(x) * 0.1).bfloat16()
+    splits: dict[str, OwnPathSplit] = {}
     for kind, layer in layers.items():
         k = KernelAlone(layer, x)
+        splits[kind] = OwnPathSplit(layer, xg, k.backend)
         fns[f"{kind}_kernel_forward"] = k.forward
         fns[f"{kind}_kernel_backward"] = k.backward
         fns[f"{kind}_layer_forward"] = lambda layer=layer: layer(xg)
@@ -248,7 +248,7 @@ def variants(layers: dict, x: torch.Tensor, rows: int, H: int, F: int, L: int) -
             layer(xg)[0].backward(grad)
 
         fns[f"{kind}_layer_forward_backward"] = fwd_bwd
-    return fns
+    return fns, splits
 
 
 #: variants also timed queued: back-to-back calls between one pair of events, the host ahead as in training
@@ -363,14 +363,12 @@ def bench(name: str, args) -> dict:
     torch.manual_seed(0)
     x = torch.randn(T, 1, H, device="cuda", dtype=torch.bfloat16)
     errs = {kind: errors_vs_fp32(layer, x, args.err_tokens) for kind, layer in layers.items()}
-    fns = variants(layers, x, rows, H, F, L)
-    xg = x.detach().requires_grad_()
-    splits = {kind: OwnPathSplit(layer, xg) for kind, layer in layers.items()}
+    fns, splits = variants(layers, x, rows, H, F, L)
     t = rounds(fns, splits, args.rounds, args.iters)
     check_pending_errors(wait=True)  # a failed launch of the rounds is an error, not a timing
     res = report(name, t, flops, errs)
     res.update(slice=name, hidden=H, ffn=F, topk=K, local_experts=L, tokens=T, configs=[bf16_cfg, fp8_cfg])
-    del fns, layers
+    del fns, splits, layers
     gc.collect()
     torch.cuda.empty_cache()
     return res
