@@ -8,8 +8,9 @@ per-round ratios, with their range:
 
   ceilings  dense bf16 ``torch.mm`` and dense FP8 ``torch._scaled_mm`` (rowwise e4m3) at the fc1 + fc2 shapes of
             all routed rows; ``torch._scaled_grouped_mm`` fc1 + fc2 on the rows split evenly over the experts (the
-            bare grouped GEMMs: no dispatch, quantisation, SwiGLU or combine); the backward's four GEMMs (dgrad and
-            wgrad of fc1 and fc2) in dense bf16
+            bare grouped GEMMs: no dispatch, quantisation, SwiGLU or combine); dense FP8 with MoK's block scales
+            (1 x 128 / 128 x 128: what the recipe itself costs a library GEMM); the backward's four GEMMs (dgrad and
+            wgrad of fc1 and fc2) in dense bf16 and in FP8 with DeepSeek-V3's block scales, and their wgrad pair
   kernel    the MoK forward and backward of the slice's bf16 and FP8 configs (the layer's backend, the layer's
             settings and saved tensors, the router's routing)
   layer     Megatron's MoE layer (local spec, stock TopKRouter with fp32 gating, ``mok`` dispatcher) forward with
@@ -48,7 +49,7 @@ sys.path.insert(0, os.path.join(_HERE, ".."))
 sys.path.insert(0, _HERE)
 sys.path.insert(0, os.path.join(_HERE, "..", "tests", "gpu"))
 from bench_common import med, median_range, round_ratios  # noqa: E402
-from bench_fp8 import dense_fns, fp8_ceiling_fns  # noqa: E402
+from bench_fp8 import blockwise_mm, dense_fns, fp8_ceiling_fns  # noqa: E402
 from result_file import write_result  # noqa: E402
 
 from megatron_mok.kernel import check_pending_errors  # noqa: E402
@@ -180,19 +181,51 @@ class OwnPathSplit:
         return med([o / s for o, s in zip(owns, spans)])
 
 
-def backward_dense_fns(rows: int, H: int, F: int) -> Callable[[], None]:
-    """The backward's four GEMMs in dense bf16 at all routed rows: dX = dH W1, dA = dY W2, dW1 = dH^T X, dW2 = dY^T A."""
+def backward_ceiling_fns(rows: int, H: int, F: int) -> dict[str, Callable[[], None]]:
+    """The backward's four GEMMs at all routed rows, dense: dX = dH W1, dA = dY W2 (dgrad), dW1 = dH^T X,
+    dW2 = dY^T A (wgrad, K = the tokens). In bf16 (``dense_bf16_backward``, its wgrad alone ``dense_bf16_wgrad``) and
+    in FP8 with the recipe an FP8 backward takes (DeepSeek-V3's): dgrad with 1 x 128 gradient and 128 x 128 weight
+    block scales, wgrad with 1 x 128 block scales along the tokens on both operands (``dense_fp8_block_backward``,
+    ``dense_fp8_block_wgrad``). FP8 operands are laid out as the GEMMs take them (K-contiguous), as a fused
+    quantisation would write them; a ceiling the installed torch or GPU cannot run is left out, its reason printed."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
     dh, x, dy, a = (torch.randn(rows, n, **bf) for n in (2 * F, H, H, F))
     w1, w2 = torch.randn(2 * F, H, **bf), torch.randn(H, F, **bf)
 
-    def run() -> None:
+    def dgrad() -> None:
         torch.mm(dh, w1)
         torch.mm(dy, w2)
+
+    def wgrad() -> None:
         torch.mm(dh.t(), x)
         torch.mm(dy.t(), a)
 
-    return run
+    fns: dict[str, Callable[[], None]] = {
+        "dense_bf16_backward": lambda: (dgrad(), wgrad()),
+        "dense_bf16_wgrad": wgrad,
+    }
+
+    def rand8(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda").to(torch.float8_e4m3fn)
+
+    fp8_dgrad = [
+        blockwise_mm(rand8(rows, 2 * F), rand8(H, 2 * F).t(), b_blocks=128),  # dH [rows, 2F] x W1 [2F, H]
+        blockwise_mm(rand8(rows, H), rand8(F, H).t(), b_blocks=128),  # dY [rows, H] x W2 [H, F]
+    ]
+    fp8_wgrad = [
+        blockwise_mm(rand8(2 * F, rows), rand8(H, rows).t(), b_blocks=1),  # dH^T [2F, rows] x X [rows, H]
+        blockwise_mm(rand8(H, rows), rand8(F, rows).t(), b_blocks=1),  # dY^T [H, rows] x A [rows, F]
+    ]
+    try:
+        for f in (*fp8_dgrad, *fp8_wgrad):
+            f()
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        print(f"  FP8 block-scaled backward ceilings left out: {str(exc).splitlines()[0]}", flush=True)
+        return fns
+    fns["dense_fp8_block_backward"] = lambda: [f() for f in (*fp8_dgrad, *fp8_wgrad)]
+    fns["dense_fp8_block_wgrad"] = lambda: [f() for f in fp8_wgrad]
+    return fns
 
 
 def errors_vs_fp32(layer, x: torch.Tensor, n: int) -> dict[str, float]:
@@ -229,7 +262,7 @@ def variants(
     fp8 = fp8_ceiling_fns(rows, H, F, L)
     fns: dict[str, Callable[[], object]] = {"dense_bf16": lambda: (f1(), f2())}
     fns.update({name: (lambda p=pair: (p[0](), p[1]())) for name, pair in fp8.items()})
-    fns["dense_bf16_backward"] = backward_dense_fns(rows, H, F)
+    fns.update(backward_ceiling_fns(rows, H, F))
     some = next(iter(layers.values()))
     fns["router"] = lambda: some.router(x)
     xg = x.detach().requires_grad_()
@@ -316,7 +349,19 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
                 f"fp8 at {put(f'{where} fp8 forward of grouped fp8', ratio(t, 'grouped_fp8', fw('fp8')), True)} of "
                 "the speed of _scaled_grouped_mm fc1 + fc2 (target > 100%)"
             )
+        if "dense_fp8_block" in t:
+            parts.append(
+                f"fp8 {put(f'{where} fp8 forward of dense fp8 block', ratio(t, 'dense_fp8_block', fw('fp8')), True)} "
+                "of dense FP8 with MoK's block scales"
+            )
         print(f"SUMMARY {name} forward, {where}: " + " | ".join(parts), flush=True)
+    if "dense_fp8_block" in t and "dense_fp8" in t:
+        recipe = put("dense fp8 block of dense fp8", ratio(t, "dense_fp8", "dense_fp8_block"), True)
+        print(
+            f"SUMMARY {name} FP8 recipe: dense FP8 with 1x128 / 128x128 block scales (cuBLAS) runs at {recipe} of "
+            "the rowwise dense FP8 speed",
+            flush=True,
+        )
     kb = put("kernel fp8 backward speedup", ratio(t, "bf16_kernel_backward", "fp8_kernel_backward"))
     lb = put(
         "layer fp8 forward+backward speedup", ratio(t, "bf16_layer_forward_backward", "fp8_layer_forward_backward")
@@ -327,6 +372,14 @@ def report(name: str, t: dict[str, list[float]], flops: float, errs: dict) -> di
         f"backward GEMMs | layer forward + backward fp8 -> {lb} bf16",
         flush=True,
     )
+    if "dense_fp8_block_backward" in t:
+        db = put("dense fp8 block backward speedup", ratio(t, "dense_bf16_backward", "dense_fp8_block_backward"))
+        dw = put("dense fp8 block wgrad speedup", ratio(t, "dense_bf16_wgrad", "dense_fp8_block_wgrad"))
+        print(
+            f"SUMMARY {name} FP8 backward ceiling: the four dense GEMMs in FP8 with DeepSeek-V3's block scales (cuBLAS) "
+            f"-> {db} their bf16 time; the wgrad pair alone (1x128 along the tokens on both operands) -> {dw}",
+            flush=True,
+        )
     for how, sfx in (("per call", ""), ("queued", "_queued")):
         if f"router{sfx}" not in t:
             continue

@@ -75,7 +75,10 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
 
     * ``dense_fp8``: ``torch._scaled_mm`` over all rows with one weight (the dense FP8 ceiling);
     * ``grouped_fp8``: ``torch._scaled_grouped_mm`` over the rows split evenly among the L experts, each with its
-      own weights (the unfused grouped GEMMs alone: no dispatch, quantisation, SwiGLU or combine).
+      own weights (the unfused grouped GEMMs alone: no dispatch, quantisation, SwiGLU or combine);
+    * ``dense_fp8_block``: ``torch._scaled_mm`` over all rows with MoK's own recipe, 1 x 128 activation and
+      128 x 128 weight block scales (cuBLAS promotes the partial sums every 128 of K, as the kernel does; the
+      rowwise ceilings promote nothing).
 
     A ceiling the installed torch or GPU cannot run is left out with the reason printed."""
     e4m3, dev = torch.float8_e4m3fn, "cuda"
@@ -96,6 +99,8 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
     offs = (torch.arange(1, L + 1, device=dev, dtype=torch.int32) * (rows // L)).clamp_(max=rows)
     offs[-1] = rows
     bf = torch.bfloat16
+    block1 = blockwise_mm(a1, b1, b_blocks=128)
+    block2 = blockwise_mm(a2, b2, b_blocks=128)
     candidates = {
         "dense_fp8": (
             lambda: torch._scaled_mm(a1, b1, sa1, sb1, out_dtype=bf),
@@ -105,6 +110,7 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
             lambda: torch._scaled_grouped_mm(a1, g1, sa1.view(-1), sg1, offs=offs, out_dtype=bf),
             lambda: torch._scaled_grouped_mm(a2, g2, sa2.view(-1), sg2, offs=offs, out_dtype=bf),
         ),
+        "dense_fp8_block": (block1, block2),
     }
     fns = {}
     for name, (f1, f2) in candidates.items():
@@ -116,6 +122,44 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
             continue
         fns[name] = (f1, f2)
     return fns
+
+
+def blockwise_mm(a: torch.Tensor, b: torch.Tensor, b_blocks: int) -> Callable[[], torch.Tensor]:
+    """``torch._scaled_mm(a, b)`` (e4m3, bf16 out) with 1 x 128 block scales on A ([M, K], K-contiguous) and, on B
+    ([K, N], K-contiguous), 128 x 128 block scales (``b_blocks=128``, a weight as in the forward and the dgrad) or
+    1 x 128 ones along K (``b_blocks=1``, an activation as in the wgrad, whose K is the tokens).
+
+    cuBLAS wants the scales in particular strides (which differ between versions); the first layout it takes is
+    kept. With none taken, the call raises the last layout's error when it is made (the ceiling is left out)."""
+    M, K = a.shape
+    N = b.shape[1]
+    kb = (K + 127) // 128
+    dev = a.device
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, device=dev) + 0.5
+
+    # A's scales [M, K/128]: outer-dim-major (stride 1 along M) first, then contiguous
+    a_layouts = [rand(kb, M).t(), rand(M, kb)]
+    if b_blocks == 128:
+        nb = (N + 127) // 128
+        b_layouts = [rand(nb, kb).t(), rand(kb, nb)]  # [K/128, N/128]
+    else:
+        b_layouts = [rand(kb, N), rand(N, kb).t()]  # [K/128, N]
+    error: Exception | None = None
+    for sa in a_layouts:
+        for sb in b_layouts:
+            try:
+                torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+                return lambda sa=sa, sb=sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+            except RuntimeError as exc:
+                error = exc
+
+    def refused() -> torch.Tensor:
+        assert error is not None
+        raise error
+
+    return refused
 
 
 def pair_ms(fns: tuple[Callable, Callable], iters: int) -> float:
@@ -350,7 +394,11 @@ def fp8_ceilings_summary(
     the unfused grouped FP8 GEMMs' time over the kernel's (target > 1: the whole fused layer faster than its two bare
     GEMMs)."""
     parts = []
-    for key, what in (("dense_fp8", "dense FP8 _scaled_mm"), ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2")):
+    for key, what in (
+        ("dense_fp8", "dense FP8 _scaled_mm"),
+        ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2"),
+        ("dense_fp8_block", "dense FP8 _scaled_mm with MoK's block scales"),
+    ):
         if key not in ceilings:
             continue
         # ceiling time / kernel time: the kernel's share of its speed

@@ -12,7 +12,11 @@ def _times() -> dict[str, list[float]]:
         "dense_bf16": [8.0, 8.4, 8.2],
         "dense_fp8": [5.0, 5.4, 5.2],
         "grouped_fp8": [6.0, 6.3, 6.6],
+        "dense_fp8_block": [6.0, 6.2, 6.5],
         "dense_bf16_backward": [16.0, 16.0, 16.0],
+        "dense_bf16_wgrad": [8.0, 8.0, 8.0],
+        "dense_fp8_block_backward": [12.0, 12.5, 12.8],
+        "dense_fp8_block_wgrad": [6.4, 6.4, 6.4],
         "router": [0.5, 0.5, 0.5],
     }
     for kind, fwd, bwd in (("bf16", 10.0, 20.0), ("fp8", 6.5, 16.0)):
@@ -37,12 +41,20 @@ def test_ratios_are_medians_of_per_round_ratios(capsys):
     assert r["kernel fp8 forward of dense fp8"]["max"] == pytest.approx(5.4 / 6.5)
     assert r["kernel fp8 forward of grouped fp8"]["median"] == pytest.approx(6.3 / 6.5)
     assert r["kernel fp8 backward speedup"]["median"] == pytest.approx(20.0 / 16.0)
+    # the recipe's own ceilings: the block-scaled dense GEMM against the rowwise one, the FP8 backward GEMMs
+    assert r["kernel fp8 forward of dense fp8 block"]["median"] == pytest.approx(6.2 / 6.5)
+    assert r["dense fp8 block of dense fp8"]["median"] == pytest.approx(5.0 / 6.0)
+    assert r["dense fp8 block of dense fp8"]["min"] == pytest.approx(5.2 / 6.5)
+    assert r["dense fp8 block backward speedup"]["median"] == pytest.approx(16.0 / 12.5)
+    assert r["dense fp8 block wgrad speedup"]["median"] == pytest.approx(1.25)
     # the layer's own path: the median (range) of the rounds' shares, not a difference of the layer, router and
     # kernel timings
     assert r["layer own path bf16"] == {"median": 0.02, "min": 0.01, "max": 0.05}
     assert r["layer own path fp8"]["max"] == pytest.approx(0.04)
     assert r["layer own path bf16_queued"]["median"] == pytest.approx(0.01)
     out = capsys.readouterr().out
+    assert "SUMMARY s FP8 recipe: dense FP8 with 1x128 / 128x128 block scales (cuBLAS) runs at 83.3% (80.0-87.1)" in out
+    assert "the wgrad pair alone (1x128 along the tokens on both operands) -> 1.25x (1.25-1.25)" in out
     assert "SUMMARY s layer path, per call: Megatron's router 0.500 ms" in out
     assert "bf16 2.0% (1.0-5.0) | fp8 3.0% (3.0-4.0) (target <= 3%)" in out
     assert "own_path_share" not in out  # shares are not timings: no row of the ms table
