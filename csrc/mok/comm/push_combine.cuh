@@ -53,13 +53,14 @@ __device__ __forceinline__ void store_row_frag256(__nv_bfloat16* dst, int col_ba
 }
 
 // One token's output row out[t] = bf16(sum_k w[t,k] * combine[t,k,:]) (fp32, k ascending, unused slots
-// skipped), by one warp. Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over KB k at a time:
-// KB * VP loads of 16 B in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so
+// skipped), by one warp. Each lane sums VP 8-column vectors (v, v + 32, ...) at a time over 8 k at a time:
+// 8 * VP loads of 16 B in flight per lane. The pass is bandwidth-bound (K x H bf16 read per token), so
 // bytes in flight set its speed (one vector per lane left it at about half the device's copy rate): the
 // consumer warps, with 224 registers after setmaxnreg, take VP = 4; the comm warps (launch bound, 168)
-// VP = 2. The k order of the fp32 sum is the same for every VP / KB (results bit-identical).
-template <int VP, int KB>
+// VP = 2. The k order of the fp32 sum is the same for every VP (results bit-identical).
+template <int VP>
 __device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, int t, int lane) {
+  constexpr int KB = 8;  // k rows in flight per vector
   const int H = P.H, K = P.K, nv = H / 8;  // vectors per row
   const int* idx = rt.idx + (long long)t * K;
   const float* w = rt.w + (long long)t * K;
@@ -112,11 +113,11 @@ __device__ __forceinline__ void sum_token(const Params& P, const RankTable& rt, 
 
 // The final sum of every token of home rank q, tokens dealt statically: worker = warp index among this
 // rank's participating warps, nworkers = their number.
-template <int VP, int KB = 8>
+template <int VP>
 __device__ __forceinline__ void combine_reduce(const Params& P, int q, int worker, int nworkers) {
   const int lane = threadIdx.x & 31;
   const RankTable rt = P.ranks[q];
-  for (int t = worker; t < rt.T; t += nworkers) sum_token<VP, KB>(P, rt, t, lane);
+  for (int t = worker; t < rt.T; t += nworkers) sum_token<VP>(P, rt, t, lane);
 }
 
 }  // namespace mok
