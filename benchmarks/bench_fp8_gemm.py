@@ -1,8 +1,9 @@
 """FP8 block-scaled grouped GEMM unit vs bf16 on a Hopper GPU: the Kimi-K2 slice's fc1
 (K = H 7168 -> N = 2F 4096) and fc2 (K = F 2048 -> N = H 7168) over 8 experts x 8192 rows.
 
-Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs and to one dense bf16 GEMM of the same
-size in the same run, and the FP8 output's relative error against the bf16 product.
+Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs, to one dense bf16 GEMM of the same size and to
+one dense FP8 GEMM of the same size with the same block scales (cuBLAS, ``torch._scaled_mm``) in the same run, and
+the FP8 output's relative error against the bf16 product.
     python benchmarks/bench_fp8_gemm.py [--rows-per-expert 8192] [--experts 8]
 """
 
@@ -15,6 +16,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fp8 import blockwise_mm  # noqa: E402
+
 from megatron_mok import fp8  # noqa: E402
 from megatron_mok.kernel.gemm import fp8_grouped_gemm  # noqa: E402
 from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
@@ -44,10 +48,17 @@ def bench_shape(name: str, K: int, N: int, L: int, M: int, iters: int) -> None:
     def tf(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
 
+    block = blockwise_mm(xq, wq[0].t(), b_blocks=128)  # scales of its own layout (values do not change the time)
+    try:
+        bl_ms = cuda_times_ms(block, iters, 2)[0]
+        bl = f" | dense FP8 block-scaled (cuBLAS) {bl_ms:.3f} ms = {tf(bl_ms):.0f} -> unit at {bl_ms / f8_ms:.1%}"
+    except RuntimeError as exc:
+        bl = f" | dense FP8 block-scaled left out: {str(exc).splitlines()[0]}"
+
     print(
         f"{name} [{L} x {M} rows, K {K} -> N {N}]: fp8 {f8_ms:.3f} ms (min {f8_min:.3f}, pipelined {f8_pipe:.3f}) "
         f"= {tf(f8_ms):.0f} TFLOP/s | bf16 per-expert mm {bf_ms:.3f} ms = {tf(bf_ms):.0f} -> fp8 {bf_ms / f8_ms:.2f}x | "
-        f"dense bf16 {dn_ms:.3f} ms = {tf(dn_ms):.0f} | fp8 rel err vs bf16 product {err:.2e}",
+        f"dense bf16 {dn_ms:.3f} ms = {tf(dn_ms):.0f}{bl} | fp8 rel err vs bf16 product {err:.2e}",
         flush=True,
     )
 
