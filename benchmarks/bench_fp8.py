@@ -69,16 +69,16 @@ def dense_fns(rows: int, H: int, F: int):
     return (lambda: torch.mm(a, b1)), (lambda: torch.mm(a2, b2))
 
 
-def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callable, Callable]]:
+def fp8_ceiling_fns(rows: int, H: int, F: int, L: int, block: bool = False) -> dict[str, tuple[Callable, Callable]]:
     """The FP8 ceilings' two GEMMs (fc1 then fc2, the same rows), e4m3 with rowwise scales (one per row of A, one
     per output column of B), bf16 out, on random data:
 
     * ``dense_fp8``: ``torch._scaled_mm`` over all rows with one weight (the dense FP8 ceiling);
     * ``grouped_fp8``: ``torch._scaled_grouped_mm`` over the rows split evenly among the L experts, each with its
       own weights (the unfused grouped GEMMs alone: no dispatch, quantisation, SwiGLU or combine);
-    * ``dense_fp8_block``: ``torch._scaled_mm`` over all rows with MoK's own recipe, 1 x 128 activation and
-      128 x 128 weight block scales (cuBLAS promotes the partial sums every 128 of K, as the kernel does; the
-      rowwise ceilings promote nothing).
+    * ``dense_fp8_block`` (with ``block``): ``torch._scaled_mm`` over all rows with MoK's own recipe, 1 x 128
+      activation and 128 x 128 weight block scales (cuBLAS promotes the partial sums every 128 of K, as the kernel
+      does; the rowwise ceilings promote nothing).
 
     A ceiling the installed torch or GPU cannot run is left out with the reason printed."""
     e4m3, dev = torch.float8_e4m3fn, "cuda"
@@ -99,8 +99,6 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
     offs = (torch.arange(1, L + 1, device=dev, dtype=torch.int32) * (rows // L)).clamp_(max=rows)
     offs[-1] = rows
     bf = torch.bfloat16
-    block1 = blockwise_mm(a1, b1, b_blocks=128)
-    block2 = blockwise_mm(a2, b2, b_blocks=128)
     candidates = {
         "dense_fp8": (
             lambda: torch._scaled_mm(a1, b1, sa1, sb1, out_dtype=bf),
@@ -110,14 +108,15 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int) -> dict[str, tuple[Callab
             lambda: torch._scaled_grouped_mm(a1, g1, sa1.view(-1), sg1, offs=offs, out_dtype=bf),
             lambda: torch._scaled_grouped_mm(a2, g2, sa2.view(-1), sg2, offs=offs, out_dtype=bf),
         ),
-        "dense_fp8_block": (block1, block2),
     }
+    if block:
+        candidates["dense_fp8_block"] = (blockwise_mm(a1, b1, b_blocks=128), blockwise_mm(a2, b2, b_blocks=128))
     fns = {}
     for name, (f1, f2) in candidates.items():
         try:
             f1(), f2()
             torch.cuda.synchronize()
-        except (RuntimeError, TypeError, AttributeError) as exc:
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
             print(f"  {name} ceiling left out: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
             continue
         fns[name] = (f1, f2)
@@ -152,7 +151,7 @@ def blockwise_mm(a: torch.Tensor, b: torch.Tensor, b_blocks: int) -> Callable[[]
             try:
                 torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
                 return lambda sa=sa, sb=sb: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
-            except RuntimeError as exc:
+            except (RuntimeError, TypeError, ValueError) as exc:
                 error = exc
 
     def refused() -> torch.Tensor:
@@ -394,11 +393,7 @@ def fp8_ceilings_summary(
     the unfused grouped FP8 GEMMs' time over the kernel's (target > 1: the whole fused layer faster than its two bare
     GEMMs)."""
     parts = []
-    for key, what in (
-        ("dense_fp8", "dense FP8 _scaled_mm"),
-        ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2"),
-        ("dense_fp8_block", "dense FP8 _scaled_mm with MoK's block scales"),
-    ):
+    for key, what in (("dense_fp8", "dense FP8 _scaled_mm"), ("grouped_fp8", "_scaled_grouped_mm fc1 + fc2")):
         if key not in ceilings:
             continue
         # ceiling time / kernel time: the kernel's share of its speed

@@ -52,7 +52,7 @@ def bench_shape(name: str, K: int, N: int, L: int, M: int, iters: int) -> None:
     try:
         bl_ms = cuda_times_ms(block, iters, 2)[0]
         bl = f" | dense FP8 block-scaled (cuBLAS) {bl_ms:.3f} ms = {tf(bl_ms):.0f} -> unit at {bl_ms / f8_ms:.1%}"
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         bl = f" | dense FP8 block-scaled left out: {str(exc).splitlines()[0]}"
 
     print(
