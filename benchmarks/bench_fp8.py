@@ -111,16 +111,20 @@ def fp8_ceiling_fns(rows: int, H: int, F: int, L: int, block: bool = False) -> d
     }
     if block:
         candidates["dense_fp8_block"] = (blockwise_mm(a1, b1, b_blocks=128), blockwise_mm(a2, b2, b_blocks=128))
-    fns = {}
-    for name, (f1, f2) in candidates.items():
-        try:
-            f1(), f2()
-            torch.cuda.synchronize()
-        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
-            print(f"  {name} ceiling left out: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
-            continue
-        fns[name] = (f1, f2)
-    return fns
+    return {name: pair for name, pair in candidates.items() if runs_here(name, *pair)}
+
+
+def runs_here(name: str, *calls: Callable) -> bool:
+    """Whether a ceiling's calls run with the installed torch and GPU (each is called once); one that cannot is
+    left out, the reason printed."""
+    try:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        print(f"  {name} ceiling left out: {type(exc).__name__}: {str(exc).splitlines()[0]}", flush=True)
+        return False
+    return True
 
 
 def blockwise_mm(a: torch.Tensor, b: torch.Tensor, b_blocks: int) -> Callable[[], torch.Tensor]:
