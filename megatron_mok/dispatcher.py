@@ -25,6 +25,7 @@ from .compat import check_megatron_settings
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
 from .function import MokBackend, mok_moe
+from .kernel import routing as kernel_routing
 from .layout import ExpertLayout, compute_layout, topk_from_routing_map, validate_routing
 from .plan import MokPlan, RingSpec
 from .reference import PullRows, PushRows
@@ -142,6 +143,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"routing_map shape {tuple(routing_map.shape)} != [tokens={num_tokens}, experts={self.num_experts}] "
                 "(a dense map is bool or 0/1; top-k expert ids are int32 / int64 [tokens, topk])"
             )
+        elif kernel_routing.runs_on_device(routing_map, probs):
+            idx, weights = kernel_routing.topk_from_routing_map(routing_map, probs, self.topk)
         else:
             idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
         self.topk_idx = idx
@@ -152,8 +155,11 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return hidden_states, probs  # the fused op pulls inside the kernel
         tp = self.transport
         assert self.topk_idx is not None, "dispatch_preprocess must run before token_dispatch"
-        if self._topk_form:  # a router's own ids: this path lays out only this rank's experts, and would drop others
-            validate_routing(self.topk_idx, self.num_experts, "the router's top-k expert ids")
+        # a router's own ids, or the device conversion's (which marks over-routed tokens): this path lays out only
+        # this rank's experts, and would drop the others
+        validate_routing(
+            self.topk_idx, self.num_experts, "the router's top-k expert ids" if self._topk_form else "topk_idx"
+        )
         all_idx = tp.all_gather(self.topk_idx)
         self.layout = compute_layout(all_idx, tp.rank, self.num_local_experts)
         k = self.topk

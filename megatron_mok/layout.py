@@ -24,6 +24,11 @@ class RoutingError(ValueError):
     """Routing metadata is malformed (shape, dtype or expert index out of range)."""
 
 
+#: The id the device conversion of a dense routing map (``kernel.routing``) puts in the last slot of a token the map
+#: routes to more than top-k experts; the kernels' schedule and :func:`validate_routing` report it.
+OVER_ROUTED = -(2**31)
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Rows one expert-owning rank computes, grouped by local expert."""
@@ -58,6 +63,11 @@ def validate_routing(topk_idx: torch.Tensor, num_experts: int, what: str = "topk
         raise RoutingError(f"{what} must be int32 or int64, got {topk_idx.dtype}")
     if topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo == OVER_ROUTED:
+            token = int((topk_idx == OVER_ROUTED).any(1).nonzero()[0, 0])
+            raise RoutingError(
+                f"the routing map routes token {token} to more than moe_router_topk={topk_idx.shape[1]} experts"
+            )
         if lo < -1 or hi >= num_experts:
             bad = lo if lo < -1 else hi
             raise RoutingError(

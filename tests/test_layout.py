@@ -6,6 +6,7 @@ from routings import ROUTINGS, make_topk
 
 from megatron_mok.layout import (
     FORWARD_TILE_ROWS,
+    OVER_ROUTED,
     RoutingError,
     compute_layout,
     minibatches,
@@ -98,3 +99,5 @@ def test_validate_routing_names_the_problem():
     with pytest.raises(RoutingError, match=r"\[tokens, topk\]"):
         validate_routing(torch.tensor([0, 1]), 8)
     validate_routing(torch.tensor([[0, -1]]), 8)
+    with pytest.raises(RoutingError, match="routes token 1 to more than moe_router_topk=2 experts"):
+        validate_routing(torch.tensor([[0, 1], [2, OVER_ROUTED]], dtype=torch.int32), 8)

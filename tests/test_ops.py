@@ -22,7 +22,7 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def test_every_operator_has_a_schema_and_a_fake():
     names = ["forward", "backward", "wgrad", "fp8_quantize_weight", "fp8_grouped_gemm", "mxfp8_quantize_rows",
-             "sm100_mxfp8_grouped_gemm"]  # fmt: skip
+             "sm100_mxfp8_grouped_gemm", "topk_from_routing_map"]  # fmt: skip
     for n in names:
         op = getattr(torch.ops.mok, n).default
         assert op._schema.name == f"mok::{n}"
@@ -67,6 +67,33 @@ def test_unit_fake_shapes(layout, sf_shape):
     )
     q, sf = torch.ops.mok.mxfp8_quantize_rows(_t(T, H), layout)
     assert (q.shape, q.dtype, tuple(sf.shape), sf.dtype) == ((T, H), torch.float8_e4m3fn, sf_shape, torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_conversion_fake_shapes(dtype):
+    idx, w = torch.ops.mok.topk_from_routing_map(_t(T, 16, dtype=torch.bool), _t(T, 16, dtype=dtype), 8)
+    assert (idx.shape, idx.dtype, w.shape, w.dtype) == ((T, 8), torch.int32, (T, 8), dtype)
+
+
+def test_routing_conversion_gradient_is_the_tensor_ops_one():
+    """The device conversion's autograd formula (run here on CPU tensors) against autograd through the tensor-op
+    definition: routed, dropped (-1) and padded slots."""
+    from types import SimpleNamespace
+
+    from megatron_mok.layout import topk_from_routing_map
+
+    g = torch.Generator().manual_seed(0)
+    E, k = 12, 4
+    rmap = torch.rand((50, E), generator=g) < 0.25
+    rmap[rmap.sum(1) > k] = False  # no token over top-k; some with none
+    probs = torch.rand((50, E), generator=g).requires_grad_()
+    idx, w = topk_from_routing_map(rmap, probs, k + 2)  # two padded slots per token
+    grad = torch.randn(w.shape, generator=g)
+    w.backward(grad)
+    ctx = SimpleNamespace(saved_tensors=(idx.int(),), num_experts=E)
+    _, got, _ = ops._topk_from_routing_map_backward(ctx, None, grad)
+    assert (idx == -1).any() and (idx >= 0).any()
+    torch.testing.assert_close(got, probs.grad, rtol=0, atol=0)
 
 
 def test_python_limits_are_the_kernel_limits():

@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ..layout import OVER_ROUTED
+
 # phases whose timeout waits for a peer rank's signal (csrc/mok/common.cuh: kPhasePeerStart, kPhasePeerDone,
 # kPhasePeerSrcQuant)
 PEER_SIGNAL_PHASES = (8, 9, 13)
@@ -65,6 +67,10 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
         return (
             f"{kernel}: a NaN / Inf in {tensor} of rank {rank} token {slot}, found by rank {extra} in {pname}: the MoE "
             f"layer's {role} is not finite"
+        )
+    if code == 2 and seen == OVER_ROUTED:
+        return (
+            f"{kernel}: the routing map routes token {slot} of rank {rank} to more than top-k (moe_router_topk) experts"
         )
     if code == 2:
         return (

@@ -52,6 +52,7 @@ _DEF.define(
     "Tensor(b!) err, float timeout_ms) -> ()"
 )
 _DEF.define("mxfp8_quantize_rows(Tensor x, int scale_layout) -> (Tensor, Tensor)")
+_DEF.define("topk_from_routing_map(Tensor routing_map, Tensor probs, int topk) -> (Tensor, Tensor)")
 _DEF.define("sm100_mxfp8_grouped_gemm(Tensor[] a, Tensor[] sfa, Tensor[] b, Tensor[] sfb, Tensor(a!)[] out) -> ()")
 
 
@@ -92,6 +93,32 @@ def _mxfp8_quantize_rows_fake(x, scale_layout):
     nbytes = -(-M // 128) * -(-nkb // 4) * 512
     sf = x.new_empty((M, nkb), dtype=torch.uint8) if scale_layout == 0 else x.new_empty((nbytes,), dtype=torch.uint8)
     return x.new_empty((M, H), dtype=torch.float8_e4m3fn), sf
+
+
+@torch.library.register_fake("mok::topk_from_routing_map")
+def _topk_from_routing_map_fake(routing_map, probs, topk):
+    T = routing_map.shape[0]
+    return routing_map.new_empty((T, topk), dtype=torch.int32), probs.new_empty((T, topk))
+
+
+def _topk_from_routing_map_setup(ctx, inputs, output) -> None:
+    routing_map, probs, _ = inputs
+    ctx.save_for_backward(output[0])
+    ctx.num_experts = routing_map.shape[1]
+
+
+def _topk_from_routing_map_backward(ctx, _grad_idx, grad_w):
+    """probs' gradient: each slot's gradient at its expert's column (slots without an expert add nothing)."""
+    (idx,) = ctx.saved_tensors
+    valid = idx >= 0
+    cols = torch.where(valid, idx, 0).long()
+    grad = grad_w.new_zeros((idx.shape[0], ctx.num_experts))
+    return None, grad.scatter_add_(1, cols, grad_w * valid), None
+
+
+torch.library.register_autograd(
+    "mok::topk_from_routing_map", _topk_from_routing_map_backward, setup_context=_topk_from_routing_map_setup
+)
 
 
 @torch.library.register_fake("mok::sm100_mxfp8_grouped_gemm")

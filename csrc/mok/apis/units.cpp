@@ -1,6 +1,6 @@
 // The unit kernels as PyTorch operators (schemas: megatron_mok/kernel/ops.py): the FP8 weight quantiser (once per
 // optimizer step), the FP8 block-scaled grouped GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
-// alone by their tests and benchmarks).
+// alone by their tests and benchmarks), and the routing conversion in front of every layer call.
 #include <torch/library.h>
 
 #include "apis/checks.h"
@@ -109,12 +109,40 @@ std::tuple<at::Tensor, at::Tensor> mxfp8_quantize_rows(const at::Tensor& x, int6
   return {q, sf};
 }
 
+// Megatron's dense routing -> the kernels' top-k form (routing/topk_from_map.cuh), one launch
+std::tuple<at::Tensor, at::Tensor> topk_from_routing_map(const at::Tensor& routing_map, const at::Tensor& probs,
+                                                         int64_t topk) {
+  constexpr const char* kOp = "mok.topk_from_routing_map";
+  TORCH_CHECK_VALUE(routing_map.defined() && routing_map.is_cuda() && routing_map.dim() == 2, kOp,
+                    ": routing_map must be a 2-D CUDA tensor, got ", routing_map.defined() ? describe(routing_map) : "nothing");
+  const at::Device dev = routing_map.device();
+  const int64_t T = routing_map.size(0), E = routing_map.size(1);
+  TORCH_CHECK_VALUE(routing_map.scalar_type() == at::kBool, kOp, ": routing_map must be bool, got ", describe(routing_map));
+  TORCH_CHECK_VALUE(probs.defined() && (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kBFloat16),
+                    kOp, ": probs must be float32 or bfloat16, got ", probs.defined() ? describe(probs) : "nothing");
+  check_shape(kOp, "probs", probs, probs.scalar_type(), {T, E}, dev);
+  check_contiguous(kOp, "routing_map", routing_map);
+  check_contiguous(kOp, "probs", probs);
+  TORCH_CHECK_VALUE(E >= 1 && E <= (1 << 20), kOp, ": ", E, " experts is out of [1, 2^20]");
+  TORCH_CHECK_VALUE(topk >= 1 && topk <= 1024, kOp, ": topk=", topk, " is out of [1, 1024]");
+  const c10::cuda::CUDAGuard guard(dev);
+  at::Tensor idx = at::empty({T, topk}, routing_map.options().dtype(at::kInt));
+  at::Tensor w = at::empty({T, topk}, probs.options());
+  char eb[kErrLen] = {0};
+  check_launch(mok_host::topk_from_map(routing_map.data_ptr(), probs.data_ptr(), probs.scalar_type() == at::kBFloat16,
+                                       T, (int)E, (int)topk, idx.data_ptr<int>(), w.data_ptr(), dev.index(),
+                                       c10::cuda::getCurrentCUDAStream(dev.index()).stream(), eb, kErrLen),
+               kOp, eb);
+  return {idx, w};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_grouped_gemm", &fp8_grouped_gemm);
   m.impl("mxfp8_quantize_rows", &mxfp8_quantize_rows);
+  m.impl("topk_from_routing_map", &topk_from_routing_map);
 }
 
 }  // namespace mok_api

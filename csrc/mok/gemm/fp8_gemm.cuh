@@ -66,11 +66,40 @@ __device__ void fp8_producer(const F8GemmParams& P, uint8_t* stages, uint64_t* f
   }
 }
 
+// One K block of a consumer warpgroup: wait for its stage, issue its four m64n128k32 into t (t = the block's
+// product, written fresh) and commit them as one group.
+__device__ __forceinline__ void fp8_issue_block(const F8GemmParams& P, const uint8_t* stages, uint64_t* full, int wgc,
+                                                int st, uint32_t ph, float* t) {
+  mbar_wait(P.base, &full[st], ph, -1, 4);
+  const uint8_t* s = stages + st * kF8StageBytes;
+  const uint64_t da = make_smem_desc_sw128(s + wgc * (64 * kF8BK));
+  const uint64_t db = make_smem_desc_sw128(s + kF8ATile);
+  fence_acc64_f8(t);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int kk = 0; kk < kF8BK / 32; ++kk)  // k32 step = 32 B = 2 descriptor units
+    wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), t, kk > 0);
+  cute::warpgroup_commit_batch();
+}
+
+// acc += t * (row scale x block scale): the promotion of one landed K block.
+__device__ __forceinline__ void fp8_promote(float* acc, const float* t, float s0, float s1) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    acc[4 * j + 0] = fmaf(t[4 * j + 0], s0, acc[4 * j + 0]);
+    acc[4 * j + 1] = fmaf(t[4 * j + 1], s0, acc[4 * j + 1]);
+    acc[4 * j + 2] = fmaf(t[4 * j + 2], s1, acc[4 * j + 2]);
+    acc[4 * j + 3] = fmaf(t[4 * j + 3], s1, acc[4 * j + 3]);
+  }
+}
+
+// Two products in turn (tmp0 for even K blocks, tmp1 for odd): block kb's group is issued before block kb-1's
+// is promoted (wait<1>), so the promotion's FMAs run under this warpgroup's own MMAs, not only the other's.
 __device__ void fp8_consumer(const F8GemmParams& P, uint8_t* stages, uint64_t* full, uint64_t* empty, int wgc) {
   const int lt = threadIdx.x & 127;
   const int warp_in_wg = lt >> 5, lane = lt & 31;
   const int nk = P.K / kF8BK;
-  float acc[64], tmp[64];
+  float acc[64], tmp0[64], tmp1[64];
   int st = 0;
   uint32_t ph = 0;
   for (int t = blockIdx.x; t < P.num_tiles; t += gridDim.x) {
@@ -80,35 +109,49 @@ __device__ void fp8_consumer(const F8GemmParams& P, uint8_t* stages, uint64_t* f
     const float* xs0 = P.xs + (long long)(mt.y + r0) * nk;
     const float* xs1 = P.xs + (long long)(mt.y + r1) * nk;
     const float* wsb = P.ws[mt.x] + (long long)nt * nk;
+    // block kb's combined scales (rows past the expert: scale 0, not stored)
+    auto scales = [&](int kb, float& s0, float& s1) {
+      const float sb = wsb[kb];
+      s0 = (r0 < mt.z ? xs0[kb] : 0.0f) * sb;
+      s1 = (r1 < mt.z ? xs1[kb] : 0.0f) * sb;
+    };
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int kb = 0; kb < nk; ++kb) {
-      // scales first: their loads overlap the wait and the MMAs (rows past the expert: scale 0, not stored)
-      const float sa0 = r0 < mt.z ? xs0[kb] : 0.0f;
-      const float sa1 = r1 < mt.z ? xs1[kb] : 0.0f;
-      const float sb = wsb[kb];
-      mbar_wait(P.base, &full[st], ph, -1, 4);
-      const uint8_t* s = stages + st * kF8StageBytes;
-      const uint64_t da = make_smem_desc_sw128(s + wgc * (64 * kF8BK));
-      const uint64_t db = make_smem_desc_sw128(s + kF8ATile);
-      fence_acc64_f8(tmp);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kF8BK / 32; ++kk)  // k32 step = 32 B = 2 descriptor units
-        wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), tmp, kk > 0);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_acc64_f8(tmp);
-      if (lt == 0) Barrier::arrive(&empty[st]);
-      const float s0 = sa0 * sb, s1 = sa1 * sb;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        acc[4 * j + 0] = fmaf(tmp[4 * j + 0], s0, acc[4 * j + 0]);
-        acc[4 * j + 1] = fmaf(tmp[4 * j + 1], s0, acc[4 * j + 1]);
-        acc[4 * j + 2] = fmaf(tmp[4 * j + 2], s1, acc[4 * j + 2]);
-        acc[4 * j + 3] = fmaf(tmp[4 * j + 3], s1, acc[4 * j + 3]);
-      }
+    // Issue block kb into t (its stage and scales noted in the block's slot b), and promote landed blocks.
+    int stg[2];
+    float sc0[2], sc1[2];
+    auto issue = [&](int kb, float* t, int b) {
+      scales(kb, sc0[b], sc1[b]);
+      fp8_issue_block(P, stages, full, wgc, st, ph, t);
+      stg[b] = st;
       if (++st == kF8Stages) { st = 0; ph ^= 1u; }
+    };
+    auto promote = [&](float* t, int b) {
+      fence_acc64_f8(t);
+      if (lt == 0) Barrier::arrive(&empty[stg[b]]);
+      fp8_promote(acc, t, sc0[b], sc1[b]);
+    };
+    // Four K blocks per round, straight-line: ptxas tracks which group a wait<1> retires only within one basic
+    // block; across a loop's back edge it serialises the MMAs (C7514), so each round ends drained.
+    int kb = 0;
+    for (; kb + 4 <= nk; kb += 4) {
+      issue(kb, tmp0, 0);
+      issue(kb + 1, tmp1, 1);
+      cute::warpgroup_wait<1>();
+      promote(tmp0, 0);
+      issue(kb + 2, tmp0, 0);
+      cute::warpgroup_wait<1>();
+      promote(tmp1, 1);
+      issue(kb + 3, tmp1, 1);
+      cute::warpgroup_wait<1>();
+      promote(tmp0, 0);
+      cute::warpgroup_wait<0>();
+      promote(tmp1, 1);
+    }
+    for (; kb < nk; ++kb) {  // the K blocks past the last round, one at a time
+      issue(kb, tmp0, 0);
+      cute::warpgroup_wait<0>();
+      promote(tmp0, 0);
     }
     // epilogue: bf16 pairs, rows of this expert only
 #pragma unroll

@@ -205,5 +205,9 @@ int fp8_quantize_weight(const void* w, long long ld, int N, int K, void* q, floa
 // 1 the sm_100 tcgen05 layout) of sf_bytes bytes
 int mxfp8_quantize_rows(const void* x, long long ld, int M, int H, void* q, void* sf, long long sf_bytes, int sf_layout,
                         int device, cudaStream_t stream, char* errbuf, int errlen);
+// bool routing map [T, E] and probs [T, E] (fp32, or bf16 with probs_bf16), both contiguous -> top-k expert ids
+// idx [T, K] int32 and their probabilities w [T, K] of probs' dtype (routing/topk_from_map.cuh)
+int topk_from_map(const void* map, const void* probs, int probs_bf16, long long T, int E, int K, int* idx, void* w,
+                  int device, cudaStream_t stream, char* errbuf, int errlen);
 
 }  // namespace mok_host

@@ -1,12 +1,13 @@
 // Launchers of the forward library's unit kernels (included once, by host/forward.cu): the FP8
-// block-scaled grouped GEMM (gemm/fp8_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh) and the
-// MXFP8 row quantiser (quant/mxfp8_quant.cuh). Host code; every CUDA call checked.
+// block-scaled grouped GEMM (gemm/fp8_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh), the
+// MXFP8 row quantiser (quant/mxfp8_quant.cuh) and the routing conversion (routing/topk_from_map.cuh). Host code; every CUDA call checked.
 #pragma once
 #include "gemm/fp8_gemm.cuh"
 #include "host/host_launch.h"
 #include "host/launch_args.h"
 #include "quant/fp8_weight_quant.cuh"
 #include "quant/mxfp8_quant.cuh"
+#include "routing/topk_from_map.cuh"
 
 // =================================================================================================
 // FP8 block-scaled grouped GEMM (gemm/fp8_gemm.cuh): the unit kernel of the FP8 path
@@ -177,6 +178,25 @@ int mxfp8_quantize_rows(const void* xp, long long ld, int M, int H, void* qp, vo
   mok::mok_mxfp8_quantize_rows_kernel<<<blocks, 256, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x), ld, M, H, reinterpret_cast<uint8_t*>(q), reinterpret_cast<uint8_t*>(sf),
       sf_layout);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+int topk_from_map(const void* map, const void* probs, int probs_bf16, long long T, int E, int K, int* idx, void* w,
+                  int device, cudaStream_t stream, char* errbuf, int errlen) {
+  if (T < 0 || E < 1 || K < 1) return write_err(errbuf, errlen, "routing map [%lld, %d] to top-%d: bad sizes", T, E, K);
+  if (T == 0) return 0;
+  if (!map || !probs || !idx || !w) return write_err(errbuf, errlen, "routing map to top-k: null pointer");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  const long long blocks = (T + 7) / 8;  // 8 warps of 256 threads, a token each
+  if (blocks > 0x7fffffffLL) return write_err(errbuf, errlen, "routing map to top-k: %lld tokens is too many", T);
+  const bool* m = reinterpret_cast<const bool*>(map);
+  if (probs_bf16)
+    mok::mok_topk_from_map_kernel<<<(unsigned)blocks, 256, 0, stream>>>(
+        m, reinterpret_cast<const __nv_bfloat16*>(probs), T, E, K, idx, reinterpret_cast<__nv_bfloat16*>(w));
+  else
+    mok::mok_topk_from_map_kernel<<<(unsigned)blocks, 256, 0, stream>>>(m, reinterpret_cast<const float*>(probs), T, E,
+                                                                        K, idx, reinterpret_cast<float*>(w));
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
