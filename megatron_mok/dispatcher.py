@@ -143,7 +143,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
                 f"routing_map shape {tuple(routing_map.shape)} != [tokens={num_tokens}, experts={self.num_experts}] "
                 "(a dense map is bool or 0/1; top-k expert ids are int32 / int64 [tokens, topk])"
             )
-        elif kernel_routing.runs_on_device(routing_map, probs):
+        elif self.fused and kernel_routing.runs_on_device(routing_map, probs):  # the unfused path builds no kernel
             idx, weights = kernel_routing.topk_from_routing_map(routing_map, probs, self.topk)
         else:
             idx, weights = topk_from_routing_map(routing_map, probs, self.topk)
@@ -155,11 +155,8 @@ class MoKTokenDispatcher(MoETokenDispatcher):
             return hidden_states, probs  # the fused op pulls inside the kernel
         tp = self.transport
         assert self.topk_idx is not None, "dispatch_preprocess must run before token_dispatch"
-        # a router's own ids, or the device conversion's (which marks over-routed tokens): this path lays out only
-        # this rank's experts, and would drop the others
-        validate_routing(
-            self.topk_idx, self.num_experts, "the router's top-k expert ids" if self._topk_form else "topk_idx"
-        )
+        if self._topk_form:  # a router's own ids: this path lays out only this rank's experts, and would drop others
+            validate_routing(self.topk_idx, self.num_experts, "the router's top-k expert ids")
         all_idx = tp.all_gather(self.topk_idx)
         self.layout = compute_layout(all_idx, tp.rank, self.num_local_experts)
         k = self.topk

@@ -63,7 +63,7 @@ def validate_routing(topk_idx: torch.Tensor, num_experts: int, what: str = "topk
         raise RoutingError(f"{what} must be int32 or int64, got {topk_idx.dtype}")
     if topk_idx.numel():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
-        if lo == OVER_ROUTED:
+        if lo == OVER_ROUTED and topk_idx.dtype == torch.int32:  # the device conversion's mark
             token = int((topk_idx == OVER_ROUTED).any(1).nonzero()[0, 0])
             raise RoutingError(
                 f"the routing map routes token {token} to more than moe_router_topk={topk_idx.shape[1]} experts"

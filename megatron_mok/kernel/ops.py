@@ -113,7 +113,7 @@ def _topk_from_routing_map_backward(ctx, _grad_idx, grad_w):
     valid = idx >= 0
     cols = torch.where(valid, idx, 0).long()
     grad = grad_w.new_zeros((idx.shape[0], ctx.num_experts))
-    return None, grad.scatter_add_(1, cols, grad_w * valid), None
+    return None, grad.scatter_add_(1, cols, torch.where(valid, grad_w, 0)), None  # a NaN in no expert's slot adds 0
 
 
 torch.library.register_autograd(

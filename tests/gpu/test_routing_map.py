@@ -36,7 +36,7 @@ def _routing(T: int, E: int, K: int, dtype: torch.dtype, seed: int, drop: float 
 @pytest.mark.parametrize(
     ("T", "E", "K", "drop"),
     [(8192, 384, 8, 0.0), (1000, 256, 8, 0.3), (333, 8, 2, 0.0), (64, 32, 4, 1.0), (0, 16, 2, 0.0), (50, 4, 6, 0.0),
-     (77, 100, 33, 0.5)],
+     (77, 100, 33, 0.5), (77, 100, 33, 0.0)],
 )  # fmt: skip
 def test_matches_tensor_ops(kernel, T, E, K, drop, dtype):
     from megatron_mok.kernel import routing
@@ -67,6 +67,11 @@ def test_over_routed_token_is_marked_and_named(kernel):
     assert (idx[torch.arange(40, device="cuda") != 17] >= 0).all()
     with pytest.raises(RoutingError, match="routes token 17 to more than moe_router_topk=2 experts"):
         validate_routing(idx, 8)
+    wide, wprobs = _routing(40, 64, 33, torch.float32, seed=6)  # the mark past the first 32 columns and slots
+    wide[9, :40] = True
+    idx_wide, _ = routing.topk_from_routing_map(wide, wprobs, 33)
+    assert int(idx_wide[9, 32]) == OVER_ROUTED and idx_wide[9, :32].tolist() == list(range(32))
+    assert int((idx_wide == OVER_ROUTED).sum()) == 1
     R, L, H, F = 1, 8, 256, 128
     gen = torch.Generator(device="cuda").manual_seed(4)
     x = [torch.randn((40, H), generator=gen, device="cuda").bfloat16()]
