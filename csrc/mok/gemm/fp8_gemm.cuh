@@ -5,10 +5,10 @@
 //
 // The unit the fused FP8 expert FFN will be built from: TMA loads of [128 rows x 128 B] boxes (one
 // SW128 row = 128 e4m3 = one scale block along K), WGMMA m64n128k32 e4m3 x e4m3 -> fp32 (FP8 WGMMA has
-// K-major operands only), and scale promotion: each 128-wide K block accumulates into a temporary
-// that is added to the fp32 accumulator with its two scales (64 + 64 registers per consumer thread:
-// why the tile is 128 x 128, not 128 x 256). 1 TMA producer thread + 2 consumer warpgroups,
-// kF8Stages-deep ring, tiles assigned statically (tile = blockIdx.x + i * gridDim.x), so producer and
+// K-major operands only), and scale promotion: each 128-wide K block's product lands in one of two temporaries,
+// in turn, and is added to the fp32 accumulator with its two scales while the next block's MMAs run (64 x 3
+// registers per consumer thread: why the tile is 128 x 128, not 128 x 256). 1 TMA producer thread + 2 consumer
+// warpgroups, kF8Stages-deep ring, tiles assigned statically (tile = blockIdx.x + i * gridDim.x), so producer and
 // consumers walk the same list without an info ring. tests/gpu/test_fp8_gemm.py checks it against the
 // FP8 recipe oracle.
 #pragma once
