@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from emulated import mok_forward_emulated  # noqa: E402
 from mok_truth import make_experts  # noqa: E402
+from routings import dense_routing  # noqa: E402
 
 from megatron_mok.layout import OVER_ROUTED, RoutingError, topk_from_routing_map, validate_routing  # noqa: E402
 
@@ -21,15 +22,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _routing(T: int, E: int, K: int, dtype: torch.dtype, seed: int, drop: float = 0.0):
-    """A dense map with K experts per token (a share ``drop`` of the entries removed) and softmax-like probs."""
+    """A dense map with K experts per token (a share ``drop`` of the entries removed) and Megatron-like probs."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     scores = torch.rand((T, E), generator=g, device="cuda")
-    top = scores.topk(K, dim=1).indices
-    rmap = torch.zeros((T, E), dtype=torch.bool, device="cuda").scatter_(1, top, True)
+    probs, rmap = dense_routing(scores.topk(K, dim=1).indices, scores)
     if drop:
         rmap &= torch.rand((T, E), generator=g, device="cuda") >= drop
-    probs = (torch.softmax(scores, 1) * rmap).to(dtype)
-    return rmap, probs
+    return rmap, (probs * rmap).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
