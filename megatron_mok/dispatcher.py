@@ -20,7 +20,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from .activation import PLAIN, Glu
-from .backend import select_backend
+from .backend import requested_backend, select_backend
 from .compat import check_megatron_settings
 from .config import MokConfig, resolve_config
 from .experts import expert_weights
@@ -82,6 +82,7 @@ class MoKTokenDispatcher(MoETokenDispatcher):
         #: the SwiGLU variant of the fused path (set by the MoK layer from Megatron's config)
         self.glu: Glu | None = PLAIN
         self._transport: Transport | None = None
+        self._backend: tuple[tuple, MokBackend] | None = None  # (what the choice read, the backend)
         self.cudagraph_attrs = ["topk_idx"]
         # per-call state
         self.hidden_shape: torch.Size | None = None
@@ -190,7 +191,20 @@ class MoKTokenDispatcher(MoETokenDispatcher):
     # ---- the fused path ----------------------------------------------------------------------
     def backend_for(self, hidden_states: torch.Tensor, fc2_weight: torch.Tensor) -> MokBackend:
         """The backend that runs this layer's call: the kernel (one per setting, shared by every MoK layer) where it
-        can, else the reference (with its reason)."""
+        can, else the reference (with its reason). Chosen again only when what the choice reads changes (it runs in
+        front of every layer call)."""
+        key = (
+            hidden_states.device,
+            hidden_states.dtype,
+            self.transport.world_size,
+            tuple(fc2_weight.shape),
+            requested_backend(),
+        )
+        if self._backend is None or self._backend[0] != key:
+            self._backend = (key, self._select_backend(hidden_states, fc2_weight))
+        return self._backend[1]
+
+    def _select_backend(self, hidden_states: torch.Tensor, fc2_weight: torch.Tensor) -> MokBackend:
         k = self.mok_config.kernel
         return select_backend(
             hidden_states.device,
