@@ -185,3 +185,35 @@ def test_topk_routing_on_the_unfused_path_is_range_checked():
     h, p = disp.dispatch_preprocess(x, ids, torch.full((hidden.shape[0], K), 0.5))
     with pytest.raises(RoutingError, match=rf"the router's top-k expert ids has expert index {E + 5} out of range"):
         disp.token_dispatch(h, p)
+
+
+def test_backend_chosen_again_only_when_what_it_reads_changes(monkeypatch):
+    """The layer's backend is chosen at its first call and kept while device, dtype, EP size, expert shape and
+    MOK_BACKEND stay; a change of MOK_BACKEND between calls is honoured at the next call."""
+    import megatron_mok.dispatcher as dispatcher
+    from megatron_mok.backend import MokBackendError
+    from megatron_mok.testing import init_one_rank
+
+    init_one_rank("gloo")
+    chosen = []
+
+    def counting(*args, **kwargs):
+        chosen.append(kwargs.get("hidden"))
+        return select(*args, **kwargs)
+
+    select = dispatcher.select_backend
+    monkeypatch.setattr(dispatcher, "select_backend", counting)
+    monkeypatch.delenv("MOK_BACKEND", raising=False)
+    cfg = moe_transformer_config(dispatcher="mok")
+    cfg.mok_config = _small_ring_config()
+    layer = build_moe_layer(cfg)
+    x = torch.randn(6, 2, H)
+    first = layer(x)[0]
+    layer(x)
+    assert chosen == [H] and layer.token_dispatcher.last_backend == "reference"
+    monkeypatch.setenv("MOK_BACKEND", "kernel")  # refused on CPU: chosen again, and the refusal names it
+    with pytest.raises(MokBackendError, match="MOK_BACKEND=kernel"):
+        layer(x)
+    monkeypatch.setenv("MOK_BACKEND", "reference")
+    torch.testing.assert_close(layer(x)[0], first, rtol=0, atol=0)
+    assert chosen == [H, H, H]
