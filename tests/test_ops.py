@@ -75,27 +75,6 @@ def test_routing_conversion_fake_shapes(dtype):
     assert (idx.shape, idx.dtype, w.shape, w.dtype) == ((T, 8), torch.int32, (T, 8), dtype)
 
 
-def test_routing_conversion_gradient_is_the_tensor_ops_one():
-    """The device conversion's autograd formula (run here on CPU tensors) against autograd through the tensor-op
-    definition: routed, dropped (-1) and padded slots."""
-    from types import SimpleNamespace
-
-    from megatron_mok.layout import topk_from_routing_map
-
-    g = torch.Generator().manual_seed(0)
-    E, k = 12, 4
-    rmap = torch.rand((50, E), generator=g) < 0.25
-    rmap[rmap.sum(1) > k] = False  # no token over top-k; some with none
-    probs = torch.rand((50, E), generator=g).requires_grad_()
-    idx, w = topk_from_routing_map(rmap, probs, k + 2)  # two padded slots per token
-    grad = torch.randn(w.shape, generator=g)
-    w.backward(grad)
-    ctx = SimpleNamespace(saved_tensors=(idx.int(),), num_experts=E)
-    _, got, _ = ops._topk_from_routing_map_backward(ctx, None, grad)
-    assert (idx == -1).any() and (idx >= 0).any()
-    torch.testing.assert_close(got, probs.grad, rtol=0, atol=0)
-
-
 def test_python_limits_are_the_kernel_limits():
     header = (Path(__file__).resolve().parent.parent / "csrc" / "mok" / "mok_limits.h").read_text()
     limits = {m[0]: int(m[1]) for m in re.findall(r"#define (MOK_MAX_\w+) (\d+)", header)}

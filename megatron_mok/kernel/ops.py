@@ -95,30 +95,12 @@ def _mxfp8_quantize_rows_fake(x, scale_layout):
     return x.new_empty((M, H), dtype=torch.float8_e4m3fn), sf
 
 
+# its gradient (to probs) is registered with the CUDA implementation (csrc/mok/apis/units.cpp): autograd through a
+# Python formula cost the host more per layer call than the op's launch
 @torch.library.register_fake("mok::topk_from_routing_map")
 def _topk_from_routing_map_fake(routing_map, probs, topk):
     T = routing_map.shape[0]
     return routing_map.new_empty((T, topk), dtype=torch.int32), probs.new_empty((T, topk))
-
-
-def _topk_from_routing_map_setup(ctx, inputs, output) -> None:
-    routing_map, probs, _ = inputs
-    ctx.save_for_backward(output[0])
-    ctx.num_experts = routing_map.shape[1]
-
-
-def _topk_from_routing_map_backward(ctx, _grad_idx, grad_w):
-    """probs' gradient: each slot's gradient at its expert's column (slots without an expert add nothing)."""
-    (idx,) = ctx.saved_tensors
-    valid = idx >= 0
-    cols = torch.where(valid, idx, 0).long()
-    grad = grad_w.new_zeros((idx.shape[0], ctx.num_experts))
-    return None, grad.scatter_add_(1, cols, torch.where(valid, grad_w, 0)), None  # a NaN in no expert's slot adds 0
-
-
-torch.library.register_autograd(
-    "mok::topk_from_routing_map", _topk_from_routing_map_backward, setup_context=_topk_from_routing_map_setup
-)
 
 
 @torch.library.register_fake("mok::sm100_mxfp8_grouped_gemm")

@@ -1,6 +1,7 @@
 // The unit kernels as PyTorch operators (schemas: megatron_mok/kernel/ops.py): the FP8 weight quantiser (once per
 // optimizer step), the FP8 block-scaled grouped GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
 // alone by their tests and benchmarks), and the routing conversion in front of every layer call.
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "apis/checks.h"
@@ -136,7 +137,47 @@ std::tuple<at::Tensor, at::Tensor> topk_from_routing_map(const at::Tensor& routi
   return {idx, w};
 }
 
+// The routing conversion's gradient, here rather than in Python: the op runs in front of every layer call, and
+// autograd through a Python formula cost the host more than the launch itself. probs' gradient: each slot's
+// gradient at its expert's column; slots without an expert (-1, OVER_ROUTED) add nothing, not even a NaN.
+class TopkFromRoutingMap : public torch::autograd::Function<TopkFromRoutingMap> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& routing_map,
+                                                const at::Tensor& probs, int64_t topk) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mok::topk_from_routing_map", "")
+                               .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t)>();
+    at::AutoDispatchBelowADInplaceOrView below;  // the device implementation (or the fake one while tracing)
+    auto [idx, w] = op.call(routing_map, probs, topk);
+    ctx->save_for_backward({idx});
+    ctx->saved_data["num_experts"] = routing_map.size(1);
+    ctx->mark_non_differentiable({idx});
+    return {idx, w};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor idx = ctx->get_saved_variables()[0];
+    const at::Tensor& grad_w = grads[1];
+    const int64_t experts = ctx->saved_data["num_experts"].toInt();
+    if (!grad_w.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor valid = idx.ge(0);
+    const at::Tensor cols = at::where(valid, idx, 0).to(at::kLong);
+    at::Tensor grad = at::zeros({idx.size(0), experts}, grad_w.options());
+    grad.scatter_add_(1, cols, at::where(valid, grad_w, 0));
+    return {at::Tensor(), grad, at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> topk_from_routing_map_autograd(const at::Tensor& routing_map,
+                                                                  const at::Tensor& probs, int64_t topk) {
+  auto out = TopkFromRoutingMap::apply(routing_map, probs, topk);
+  return {out[0], out[1]};
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(mok, Autograd, m) { m.impl("topk_from_routing_map", &topk_from_routing_map_autograd); }
 
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
