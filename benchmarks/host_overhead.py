@@ -6,7 +6,13 @@ For each slice of benchmarks/bench_fp8.py (Kimi-K2 L=8, DeepSeek-V3 L=32) and ke
 the median microseconds of the whole call and of its parts: the ``mok::forward`` operator (dispatch, argument
 checks, tensor maps, staging upload, zeroing, the cooperative launch) and the rest (the Python wrapper, its
 allocations and the FP8 weight cache look-up).
+
+With ``--layer`` it takes Megatron's MoE layer instead (the Kimi-K2 slice's bf16 and FP8 configs, stock router,
+``mok`` dispatcher, as ``bench_ceilings.py`` builds it) and splits the host time of its forward into Megatron's
+router, the routing conversion, the expert weights' look-up, the backend choice and the kernel call; the rest is
+Megatron's layer, the dispatcher and the autograd node around the kernel call.
     python benchmarks/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
+    python benchmarks/host_overhead.py --layer [--tokens 8192] [--json out.json]
 """
 
 from __future__ import annotations
@@ -90,6 +96,51 @@ def shape_overheads(name: str, args, timer: PartTimer) -> list[dict]:
     return out
 
 
+def layer_overheads(args, timer: PartTimer) -> list[dict]:
+    """The layer forward's host time by part (disjoint parts; ``rest`` is what none of them covers)."""
+    from bench_ceilings import build_layer
+    from megatron.core import tensor_parallel
+
+    import megatron_mok
+    import megatron_mok.dispatcher as dispatcher
+    from megatron_mok.kernel import routing
+    from megatron_mok.testing import init_one_rank
+
+    init_one_rank("nccl")
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    megatron_mok.register()
+    saved = {(routing, "topk_from_routing_map"): routing.topk_from_routing_map,
+             (dispatcher, "expert_weights"): dispatcher.expert_weights}  # fmt: skip
+    routing.topk_from_routing_map = timer.wrap("routing conversion", routing.topk_from_routing_map)
+    dispatcher.expert_weights = timer.wrap("expert weights", dispatcher.expert_weights)
+    out = []
+    try:
+        for config in ("kimi-k2", "kimi-k2-fp8"):
+            layer = build_layer(config, 8)
+            d = layer.token_dispatcher
+            x = torch.randn(args.tokens, 1, d.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+            x.requires_grad_()
+            layer(x)  # the backend chosen, the library loaded, the FP8 weights cached
+            backend = d.backend_for(x.view(-1, x.shape[-1]), saved[(dispatcher, "expert_weights")](layer.experts)[1][0])
+            layer.router.forward = timer.wrap("router", layer.router.forward)
+            d.backend_for = timer.wrap("backend choice", d.backend_for)
+            backend.forward = timer.wrap("kernel call", backend.forward)
+            try:
+                for _ in range(3):
+                    layer(x)
+                check_last_error()
+                got = measure(functools.partial(layer, x), timer, args.calls)
+            finally:
+                del layer.router.forward, d.backend_for, backend.forward
+            parts = " | ".join(f"{k} {v:7.1f}" for k, v in got.items() if k != "total")
+            print(f"layer {config:12s}: host {got['total']:7.1f} us per forward = {parts} (us, medians)", flush=True)
+            out.append({"config": config, "tokens": args.tokens, **got})
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi,dsv3")
@@ -97,6 +148,8 @@ def main() -> int:
     ap.add_argument("--comm-sms", type=int, default=0)
     ap.add_argument("--minibatch", type=int, default=4096)
     ap.add_argument("--ring-slots", type=int, default=4)
+    ap.add_argument("--layer", action="store_true", help="Megatron's MoE layer forward instead of the kernel call")
+    ap.add_argument("--tokens", type=int, default=8192, help="with --layer: tokens per forward")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import megatron_mok.kernel as mk
@@ -105,6 +158,12 @@ def main() -> int:
         print(f"MoK kernel unavailable: {mk.unavailable_reason()}")
         return 1
     timer = PartTimer()
+    if args.layer:
+        print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+        out = layer_overheads(args, timer)
+        if args.json:
+            write_result(args.json, "host_overhead", out)
+        return 0
     # the operator call: its argument checks, tensor maps, staging upload, zeroing and the cooperative launch
     real = torch.ops.mok.forward
     wrapped = timer.wrap("operator", lambda *a: real(*a))
