@@ -95,8 +95,8 @@ def _mxfp8_quantize_rows_fake(x, scale_layout):
     return x.new_empty((M, H), dtype=torch.float8_e4m3fn), sf
 
 
-# its gradient (to probs) is registered with the CUDA implementation (csrc/mok/apis/units.cpp): autograd through a
-# Python formula cost the host more per layer call than the op's launch
+# its gradient (to probs) is registered in C++ with the CUDA implementation (csrc/mok/apis/units.cpp): the op runs in
+# front of every layer call, and a formula registered here would put a Python autograd layer on each call's path
 @torch.library.register_fake("mok::topk_from_routing_map")
 def _topk_from_routing_map_fake(routing_map, probs, topk):
     T = routing_map.shape[0]

@@ -85,6 +85,17 @@ def test_compiled_conversion_equals_eager(kernel):
     assert not torch.isnan(want[2]).any()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # dynamic token counts: one graph for both sizes (the gradient's sizes stay symbolic)
+    torch._dynamo.reset()
+    compiled = torch.compile(convert, fullgraph=True, dynamic=True)
+    step(compiled)
+    rmap, probs = _routing(600, 64, 8, torch.float32, seed=12, drop=0.2)
+    grad = grad[:600]
+    want = step(convert)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = step(compiled)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_over_routed_token_is_marked_and_named(kernel):

@@ -137,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor> topk_from_routing_map(const at::Tensor& routi
   return {idx, w};
 }
 
-// The routing conversion's gradient, here rather than in Python: the op runs in front of every layer call, and
-// autograd through a Python formula cost the host more than the launch itself. probs' gradient: each slot's
+// The routing conversion's gradient, here rather than in Python: the op runs in front of every layer call, and a
+// formula registered in Python puts a Python autograd layer on the host's path each time. probs' gradient: each slot's
 // gradient at its expert's column; slots without an expert (-1, OVER_ROUTED) add nothing, not even a NaN.
 class TopkFromRoutingMap : public torch::autograd::Function<TopkFromRoutingMap> {
  public:
@@ -150,8 +150,9 @@ class TopkFromRoutingMap : public torch::autograd::Function<TopkFromRoutingMap> 
     at::AutoDispatchBelowADInplaceOrView below;  // the device implementation (or the fake one while tracing)
     auto [idx, w] = op.call(routing_map, probs, topk);
     ctx->save_for_backward({idx});
-    ctx->saved_data["num_experts"] = routing_map.size(1);
+    ctx->saved_data["num_experts"] = routing_map.sym_size(1);  // symbolic sizes: torch.compile keeps T dynamic
     ctx->mark_non_differentiable({idx});
+    ctx->set_materialize_grads(false);  // no zeros made for the ids' (or an unused weight's) gradient
     return {idx, w};
   }
 
@@ -159,11 +160,11 @@ class TopkFromRoutingMap : public torch::autograd::Function<TopkFromRoutingMap> 
                                                  torch::autograd::variable_list grads) {
     const at::Tensor idx = ctx->get_saved_variables()[0];
     const at::Tensor& grad_w = grads[1];
-    const int64_t experts = ctx->saved_data["num_experts"].toInt();
     if (!grad_w.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const c10::SymInt experts = ctx->saved_data["num_experts"].toSymInt();
     const at::Tensor valid = idx.ge(0);
     const at::Tensor cols = at::where(valid, idx, 0).to(at::kLong);
-    at::Tensor grad = at::zeros({idx.size(0), experts}, grad_w.options());
+    at::Tensor grad = at::zeros_symint({idx.sym_size(0), experts}, grad_w.options());
     grad.scatter_add_(1, cols, at::where(valid, grad_w, 0));
     return {at::Tensor(), grad, at::Tensor()};
   }
