@@ -24,3 +24,17 @@ def bk(kernel):
     from megatron_mok.kernel import backward
 
     return backward
+
+
+@pytest.fixture(autouse=True)
+def _no_error_record_outlives_its_test():
+    """Zero every live kernel error record after each test. A test that provokes a kernel error keeps its buffers, and
+    their set record, alive through the exception's traceback (a reference cycle, until the next collection), and
+    ``check_last_error`` reads every live record: a later test would see the earlier test's error as its own."""
+    yield
+    if torch.cuda.is_available():
+        from megatron_mok.kernel import errors
+
+        torch.cuda.synchronize()
+        for err, _message in errors._live_records():
+            err.zero_()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,18 +80,6 @@ class EpGroup:
     overrides, and return the :class:`Outcome`; the call's outputs are in ``Outcome.results`` (cloned: a later call
     reuses the region)."""
 
-    # every group alive: a failed test's traceback keeps its group, and with it error records that
-    # ``check_last_error`` would read in a later test (``quiet``)
-    _live: weakref.WeakSet[EpGroup] = weakref.WeakSet()
-
-    @classmethod
-    def quiet(cls) -> None:
-        """Zero every live group's error records (a test's teardown; each launch zeroes its own record anyway)."""
-        for grp in list(cls._live):
-            for b in grp.bufs:
-                b.err.zero_()
-                b.bwd_err.zero_()
-
     def __init__(
         self,
         R: int,
@@ -133,7 +120,6 @@ class EpGroup:
         self.mg1 = [[s[e, : 2 * F, :H] for e in range(L)] for s in self.mg1_store]
         self.mg2 = [[s[e, :H, :F] for e in range(L)] for s in self.mg2_store]
         self.combine: list[torch.Tensor] | None = None  # the forward's combine rows, for the backward
-        EpGroup._live.add(self)
 
     # ---- inputs ------------------------------------------------------------------------------------------------
 

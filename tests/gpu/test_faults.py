@@ -75,14 +75,6 @@ STALL = (1, 1)  # (rank, ring slot) whose pull is never published
 TABLE: list[Row] = []  # filled as the fault tests run, printed by the last test
 
 
-@pytest.fixture(autouse=True)
-def _quiet_records():
-    """After each test: no error record of this module's faults stays set for a later test's check_last_error()."""
-    yield
-    if torch.cuda.is_available():
-        EpGroup.quiet()
-
-
 def _group(R: int, dtype: str, seed: int) -> EpGroup:
     return EpGroup(R, dtype == "fp8", seed, timeout_ms=TIMEOUT_MS)
 
