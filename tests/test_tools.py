@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from load_script import load_script
@@ -100,3 +101,81 @@ def test_long_run_refuses_bad_options_in_one_line(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert needle in err, err
+
+
+class _FakeWorker:
+    """A paired-mode worker without a GPU: a case takes 1.0 ms times the tree's speed factor times the shared
+    clock's drift at the moment it is timed (the drift a power-capped GPU shows between rounds)."""
+
+    clock = [0]
+    log: list[str] = []
+    factors = {"a": 1.0, "b": 0.9}
+    flip_bits_after_timing: str | None = None
+
+    def __init__(self, label, tree, iters):
+        self.label, self.cases, self.timed = label, ["kimi-k2 fp8", "deepseek-v3 fp8"], 0
+        type(self).log.append(f"start {label}")
+
+    def ask(self, request):
+        if request == "sums":
+            flip = self.timed and self.label == type(self).flip_bits_after_timing
+            return {c: {"out": "x" if flip else "0"} for c in self.cases}
+        type(self).clock[0] += 1
+        self.timed += 1
+        type(self).log.append(f"{request} {self.label}")
+        drift = 1.0 + 0.2 * (type(self).clock[0] // 6 % 2)  # changes every few calls, as the clock does
+        t = self.factors[self.label] * drift
+        return {"forward_ms": t, "backward_ms": 2 * t}
+
+    def close(self):
+        type(self).log.append(f"close {self.label}")
+
+
+def _paired_with_fake(monkeypatch, flip=None):
+    ct = load_script("compare_trees")
+    _FakeWorker.clock[0], _FakeWorker.log[:], _FakeWorker.flip_bits_after_timing = 0, [], flip
+    monkeypatch.setattr(ct, "_Worker", _FakeWorker)
+    return ct.run_paired({"a": Path("/a"), "b": Path("/b")}, pairs=6, iters=1)
+
+
+def test_compare_trees_paired_ratios_cancel_the_clock_drift(monkeypatch):
+    report, ok = _paired_with_fake(monkeypatch)
+    assert ok
+    for case in ("kimi-k2 fp8", "deepseek-v3 fp8"):
+        # every pair is timed inside one drift level or across one step, so the median pair reads the true 0.9
+        ratios = report["cases"][case]["b"]["forward_ratios"]
+        assert len(ratios) == 6 and sorted(ratios)[3] == pytest.approx(0.9)
+        assert report["cases"][case]["a"]["forward_ratios"] == [1.0] * 6
+    timed = [e for e in _FakeWorker.log if not e.startswith(("start", "close"))]
+    # interleaved: each case is timed on both trees back to back, pair after pair
+    assert all({timed[i].split()[-1], timed[i + 1].split()[-1]} == {"a", "b"} for i in range(0, len(timed), 2))
+    assert [e.rsplit(" ", 1)[0] for e in timed[::2]] == ["kimi-k2 fp8", "deepseek-v3 fp8"] * 6
+    assert _FakeWorker.log[-2:] == ["close a", "close b"]
+
+
+def test_compare_trees_paired_checks_bits_after_the_timings(monkeypatch):
+    _, ok = _paired_with_fake(monkeypatch, flip="b")
+    assert not ok
+
+
+def test_compare_trees_worker_answers_on_its_own_channel(tmp_path):
+    """The real serve loop with CPU stand-ins for the cases: the tree's prints must not reach the answers."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from load_script import load_script\n"
+        "ct = load_script('compare_trees')\n"
+        "ct.SLICES = {'s': 1}\n"
+        "ct._slice_inputs = lambda name: print('tree chatter on stdout')\n"
+        "ct._prepare_case = lambda inputs, dtype: {'sums': lambda: {'out': dtype}}\n"
+        "ct._time_case = lambda case, iters: {'forward_ms': 1.5, 'backward_ms': 2.5}\n"
+        "ct.serve(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], input="sums\ns bf16\nquit\n",
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines == [
+        {"cases": ["s bf16", "s fp8"]},
+        {"s bf16": {"out": "bf16"}, "s fp8": {"out": "fp8"}},
+        {"forward_ms": 1.5, "backward_ms": 2.5},
+    ]
+    assert "tree chatter" in proc.stderr

@@ -11,6 +11,14 @@ tree's median time per case, the ratio of the trees, and each tree's spread over
 
     python tools/compare_trees.py --tree before=/tmp/before --tree after=. --rounds 3 --json out.json
 
+Rounds of fresh processes see the GPU's clock drift under its power cap between one tree's run and the next (spreads
+of 4-10 % on an H100), more than a kernel change of a few percent moves. ``--paired N`` times in pairs instead: one
+worker per tree stays alive with every case prepared, and each case is timed tree after tree (in a fresh order each
+time) N times; the ratio of each pair is taken on its own and the summary prints their median and quartiles. Bits
+are compared on the workers' first calls and again after the timings.
+
+    python tools/compare_trees.py --tree before=/tmp/before --tree after=. --paired 20 --json out.json
+
 A tree is a checkout (its ``megatron_mok`` is imported from there); the first is the baseline. A tree launches
 through ``kernel.mok_forward`` / ``kernel.mok_backward`` (the PyTorch operators) or, in older checkouts, through
 ``kernel.mok_forward_emulated`` / ``kernel.backward.mok_backward_emulated`` at one rank; the host time per call
@@ -111,8 +119,9 @@ def _host_us(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
-    """Checksums and timings of one slice in one dtype: forward, then backward on its outputs."""
+def _prepare_case(inputs: tuple, dtype: str) -> dict:
+    """One slice in one dtype, ready to call: {"forward", "backward", "sums"}; "sums" runs the forward and the
+    backward once and returns the checksum of every output and gradient."""
     import torch
 
     try:
@@ -129,29 +138,45 @@ def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
     def forward():
         return fwd(x, idx, w, w1, w2, saved, q8)
 
-    o, comb = forward()
+    comb = forward()[1]
 
     def backward():
         return bwd(go, x, idx, w, comb, w1, w2, saved, q8)
 
-    gx, gw, g1, g2 = backward()
-    torch.cuda.synchronize()
-    sums = {"out": checksum(o), "combine": checksum(comb), "saved_h": checksum(saved)}
-    sums.update(grad_x=checksum(gx), grad_topk_w=checksum(gw))
-    sums.update(grad_w1=checksum(torch.stack(g1)), grad_w2=checksum(torch.stack(g2)))
+    def sums() -> dict:
+        o, c = forward()
+        gx, gw, g1, g2 = bwd(go, x, idx, w, c, w1, w2, saved, q8)
+        torch.cuda.synchronize()
+        out = {"out": checksum(o), "combine": checksum(c), "saved_h": checksum(saved)}
+        out.update(grad_x=checksum(gx), grad_topk_w=checksum(gw))
+        out.update(grad_w1=checksum(torch.stack(g1)), grad_w2=checksum(torch.stack(g2)))
+        return out
+
+    return {"forward": forward, "backward": backward, "sums": sums}
+
+
+def _time_case(case: dict, iters: int) -> dict:
     from megatron_mok.timing import cuda_times_ms  # the tree's own event timing (median of iters calls)
 
     return {
-        "sums": sums,
-        "forward_ms": cuda_times_ms(forward, iters, 2)[0],
-        "backward_ms": cuda_times_ms(backward, iters, 2)[0],
-        "forward_host_us": _host_us(forward, iters),
-        "backward_host_us": _host_us(backward, iters),
+        "forward_ms": cuda_times_ms(case["forward"], iters, 2)[0],
+        "backward_ms": cuda_times_ms(case["backward"], iters, 2)[0],
     }
 
 
-def run_cases(iters: int) -> dict:
-    """Every case in this process's tree: {case: {"sums": {name: checksum}, "forward_ms", "backward_ms"}}."""
+def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
+    """Checksums and timings of one slice in one dtype: forward, then backward on its outputs."""
+    case = _prepare_case(inputs, dtype)
+    return {
+        "sums": case["sums"](),
+        **_time_case(case, iters),
+        "forward_host_us": _host_us(case["forward"], iters),
+        "backward_host_us": _host_us(case["backward"], iters),
+    }
+
+
+def _slice_inputs(name: str):
+    """(x, topk_idx, topk_w, w1, w2, grad_out) of one slice, drawn from a fixed seed on the GPU."""
     import torch
 
     from megatron_mok import kernel
@@ -159,20 +184,148 @@ def run_cases(iters: int) -> dict:
     if not kernel.is_available():
         raise SystemExit(f"MoK kernel unavailable: {kernel.unavailable_reason()}")
     dev = torch.device("cuda")
+    L = SLICES[name]
+    g = torch.Generator(device=dev).manual_seed(1000 + L)
+    x = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    scores = torch.rand((T, L), generator=g, device=dev)
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()
+    w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
+    w1 = [(torch.randn((2 * F, H), generator=g, device=dev) / H**0.5).bfloat16() for _ in range(L)]
+    w2 = [(torch.randn((H, F), generator=g, device=dev) / F**0.5).bfloat16() for _ in range(L)]
+    go = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    return x, idx, w, w1, w2, go
+
+
+def run_cases(iters: int) -> dict:
+    """Every case in this process's tree: {case: {"sums": {name: checksum}, "forward_ms", "backward_ms"}}."""
+    import torch
+
     out: dict = {}
-    for name, L in SLICES.items():
-        g = torch.Generator(device=dev).manual_seed(1000 + L)
-        x = torch.randn((T, H), generator=g, device=dev).bfloat16()
-        scores = torch.rand((T, L), generator=g, device=dev)
-        idx = torch.topk(scores, K, dim=1).indices.to(torch.int32).contiguous()
-        w = torch.softmax(torch.gather(scores, 1, idx.long()), dim=1).float().contiguous()
-        w1 = [(torch.randn((2 * F, H), generator=g, device=dev) / H**0.5).bfloat16() for _ in range(L)]
-        w2 = [(torch.randn((H, F), generator=g, device=dev) / F**0.5).bfloat16() for _ in range(L)]
-        go = torch.randn((T, H), generator=g, device=dev).bfloat16()
+    for name in SLICES:
+        inputs = _slice_inputs(name)
         for dtype in ("bf16", "fp8"):
-            out[f"{name} {dtype}"] = _one_case((x, idx, w, w1, w2, go), dtype, iters)
+            out[f"{name} {dtype}"] = _one_case(inputs, dtype, iters)
             torch.cuda.empty_cache()
     return out
+
+
+def serve(iters: int) -> None:
+    """A paired-mode worker: prepares every case, then answers requests from stdin, one JSON line each on the
+    process's original stdout, which nothing else writes to (the tree's own prints go to stderr): "sums" -> {case:
+    checksums}, a case's name -> its forward and backward times, "quit" ends it."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    cases = {f"{name} {dtype}": _prepare_case(inputs, dtype) for name in SLICES for inputs in [_slice_inputs(name)]
+             for dtype in ("bf16", "fp8")}  # fmt: skip
+    answers.write(json.dumps({"cases": list(cases)}) + "\n")
+    for line in sys.stdin:
+        req = line.strip()
+        if req == "quit":
+            break
+        reply = {c: case["sums"]() for c, case in cases.items()} if req == "sums" else _time_case(cases[req], iters)
+        answers.write(json.dumps(reply) + "\n")
+
+
+class _Worker:
+    """One tree's paired-mode worker process; its own output goes to a log file, shown if it fails."""
+
+    def __init__(self, label: str, tree: Path, iters: int):
+        self.label, self.tree = label, tree
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=f"-{label}.log")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--iters", str(iters)]
+        self.proc = subprocess.Popen(cmd, cwd=tree, env=_worker_env(tree), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
+        self.cases: list[str] = self._read()["cases"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            self.proc.wait()
+            self.log.seek(0)
+            raise SystemExit(f"tree {self.label} ({self.tree}) worker ended (rc {self.proc.returncode}):\n"
+                             f"{self.log.read()[-3000:]}")  # fmt: skip
+        return json.loads(line)
+
+    def ask(self, request: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(request + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _quantiles(v: list[float]) -> tuple[float, float, float]:
+    """(25th percentile, median, 75th percentile)."""
+    if len(v) < 2:
+        return v[0], v[0], v[0]
+    q = statistics.quantiles(v, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> tuple[dict, bool]:
+    """The paired mode: returns (report, bits identical). Workers are started one after another (each prepares
+    its cases alone); any failure stops them all."""
+    workers: dict[str, _Worker] = {}
+    try:
+        for label, tree in trees.items():
+            workers[label] = _Worker(label, tree, iters)
+        base = next(iter(trees))
+        cases = workers[base].cases
+        for label, w in workers.items():
+            if w.cases != cases:
+                raise SystemExit(f"tree {label}: cases {w.cases} differ from {base}'s {cases}")
+        first = {label: w.ask("sums") for label, w in workers.items()}
+        rng = random.Random(seed)
+        times: dict = {c: {label: {"forward_ms": [], "backward_ms": []} for label in trees} for c in cases}
+        for _ in range(pairs):
+            for case in cases:
+                order = list(trees)
+                rng.shuffle(order)
+                for label in order:
+                    for k, v in workers[label].ask(case).items():
+                        times[case][label][k].append(v)
+        last = {label: w.ask("sums") for label, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    ok = True
+    ref = first[base]
+    for label in trees:
+        for when, sums in (("first calls", first[label]), ("after the timings", last[label])):
+            for case in cases:
+                diff = [k for k in ref[case] if sums[case][k] != ref[case][k]]
+                if diff:
+                    ok = False
+                    print(f"BITS DIFFER: {case}, tree {label}, {when}: {', '.join(diff)}")
+    report: dict = {"trees": {k: str(v) for k, v in trees.items()}, "pairs": pairs, "iters": iters, "cases": {}}
+    print(f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'bwd ms':>8s}   per-pair ratio vs {base}, median (quartiles):"
+          " fwd; bwd")  # fmt: skip
+    for case in cases:
+        for label in trees:
+            t, b = times[case][label], times[case][base]
+            row: dict = {**t, "sums": first[label][case]}
+            cols = []
+            for k in ("forward_ms", "backward_ms"):
+                ratios = [x / y for x, y in zip(t[k], b[k])]
+                lo, med, hi = _quantiles(ratios)
+                row[k.replace("_ms", "_ratios")] = ratios
+                cols.append(f"{med:.3f} ({lo:.3f}-{hi:.3f})")
+            fm, bm = statistics.median(t["forward_ms"]), statistics.median(t["backward_ms"])
+            print(f"{case:20s} {label:8s} {fm:8.3f} {bm:8.3f}   {cols[0]}; {cols[1]}")
+            report["cases"].setdefault(case, {})[label] = row
+    print("bits: identical across trees, before and after the timings" if ok else "bits: DIFFER")
+    return report, ok
 
 
 def _worker_env(tree: Path) -> dict:
@@ -219,11 +372,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="time in N pairs of long-lived workers instead of --rounds of fresh processes")  # fmt: skip
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         Path(args.worker).write_text(json.dumps(run_cases(args.iters)))
         return 0
+    if args.serve:
+        serve(args.iters)
+        return 0
+    if args.paired < 0 or args.rounds < 1 or args.iters < 1:
+        ap.error("--paired must be >= 0, --rounds and --iters >= 1")
     trees = {}
     for spec in args.tree:
         label, sep, path = spec.partition("=")
@@ -233,6 +394,11 @@ def main() -> int:
     if len(trees) < 2:
         ap.error("give at least two --tree LABEL=PATH")
     _prebuild(trees)
+    if args.paired:
+        report, ok = run_paired(trees, args.paired, args.iters)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0 if ok else 1
     rng = random.Random(0)
     rounds: dict[str, list[dict]] = {label: [] for label in trees}
     for _ in range(args.rounds):
