@@ -167,6 +167,7 @@ def test_compare_trees_worker_answers_on_its_own_channel(tmp_path):
         "ct._slice_inputs = lambda name: print('tree chatter on stdout')\n"
         "ct._prepare_case = lambda inputs, dtype: {'sums': lambda: {'out': dtype}}\n"
         "ct._time_case = lambda case, iters: {'forward_ms': 1.5, 'backward_ms': 2.5}\n"
+        "ct._release_cached_memory = lambda: None\n"
         "ct.serve(3)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], input="sums\ns bf16\nquit\n",

@@ -209,6 +209,12 @@ def run_cases(iters: int) -> dict:
     return out
 
 
+def _release_cached_memory() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
 def serve(iters: int) -> None:
     """A paired-mode worker: prepares every case, then answers requests from stdin, one JSON line each on the
     process's original stdout, which nothing else writes to (the tree's own prints go to stderr): "sums" -> {case:
@@ -223,6 +229,7 @@ def serve(iters: int) -> None:
         if req == "quit":
             break
         reply = {c: case["sums"]() for c, case in cases.items()} if req == "sums" else _time_case(cases[req], iters)
+        _release_cached_memory()  # the idle worker holds only its cases while the other tree runs
         answers.write(json.dumps(reply) + "\n")
 
 
