@@ -295,13 +295,18 @@ def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) ->
         first = {label: w.ask("sums") for label, w in workers.items()}
         rng = random.Random(seed)
         times: dict = {c: {label: {"forward_ms": [], "backward_ms": []} for label in trees} for c in cases}
-        for _ in range(pairs):
+        for i in range(pairs):
             for case in cases:
                 order = list(trees)
                 rng.shuffle(order)
                 for label in order:
                     for k, v in workers[label].ask(case).items():
                         times[case][label][k].append(v)
+            # as they come, so that a run stopped early still shows its pairs
+            print(f"pair {i + 1}/{pairs}, fwd / bwd vs {base}: " + "; ".join(
+                f"{case} {label} {t[label]['forward_ms'][-1] / t[base]['forward_ms'][-1]:.3f} / "
+                f"{t[label]['backward_ms'][-1] / t[base]['backward_ms'][-1]:.3f}"
+                for case, t in times.items() for label in trees if label != base), flush=True)  # fmt: skip
         last = {label: w.ask("sums") for label, w in workers.items()}
     finally:
         for w in workers.values():
