@@ -104,7 +104,7 @@ def test_long_run_refuses_bad_options_in_one_line(capsys):
 
 
 class _FakeWorker:
-    """A paired-mode worker without a GPU: a case takes 1.0 ms times the tree's speed factor times the shared
+    """A compare_trees worker without a GPU: a case takes 1.0 ms times the tree's speed factor times the shared
     clock's drift at the moment it is timed (the drift a power-capped GPU shows between rounds)."""
 
     clock = [0]
@@ -125,7 +125,7 @@ class _FakeWorker:
         type(self).log.append(f"{request} {self.label}")
         drift = 1.0 + 0.2 * (type(self).clock[0] // 6 % 2)  # changes every few calls, as the clock does
         t = self.factors[self.label] * drift
-        return {"forward_ms": t, "backward_ms": 2 * t}
+        return {"forward_ms": t, "backward_ms": 2 * t, "forward_host_us": 50.0, "backward_host_us": 90.0}
 
     def close(self):
         type(self).log.append(f"close {self.label}")
@@ -135,7 +135,7 @@ def _paired_with_fake(monkeypatch, flip=None):
     ct = load_script("compare_trees")
     _FakeWorker.clock[0], _FakeWorker.log[:], _FakeWorker.flip_bits_after_timing = 0, [], flip
     monkeypatch.setattr(ct, "_Worker", _FakeWorker)
-    return ct.run_paired({"a": Path("/a"), "b": Path("/b")}, pairs=6, iters=1)
+    return ct.run_pairs({"a": Path("/a"), "b": Path("/b")}, pairs=6, iters=1)
 
 
 def test_compare_trees_paired_ratios_cancel_the_clock_drift(monkeypatch):

@@ -1,28 +1,22 @@
 """Prove a refactor of the kernels on one GPU: two checkouts' kernels side by side, same inputs, same bits,
-timings interleaved.
+timings in pairs.
 
-Each tree runs in processes of its own (its own ``megatron_mok`` and library, built once into the shared cache):
-round after round, the trees alternate (in a fresh order per round), and each process runs every case -- the
-Kimi-K2 and DeepSeek-V3 slices (hidden 7168, ffn 2048, top-8, 8192 tokens, EP 1; 8 / 32 local experts), bf16
-and FP8, forward and backward with the shipped configs' kernel settings -- on inputs drawn from fixed seeds. It
-records a bit-exact checksum of every output and gradient and the median device time of the forward and the
-backward. The summary compares the checksums across trees and rounds (any difference fails) and prints each
-tree's median time per case, the ratio of the trees, and each tree's spread over the rounds.
+Each tree runs in a worker process of its own (its own ``megatron_mok`` and library, built once into the shared
+cache) that prepares every case -- the Kimi-K2 and DeepSeek-V3 slices (hidden 7168, ffn 2048, top-8, 8192 tokens,
+EP 1; 8 / 32 local experts), bf16 and FP8, forward and backward with the shipped configs' kernel settings -- on
+inputs drawn from fixed seeds, and stays alive. Each case is then timed tree after tree, in a fresh order each
+time, N times (``--pairs``): the GPU's clock under its power cap drifts between one process's run and the next by
+more than a kernel change of a few percent moves (4-10 % between fresh processes on an H100), but little between
+the two halves of a pair. The summary prints each tree's median device time per case, the median of the per-pair
+ratios against the first tree with their quartiles, and the host time per call (the Python call alone, the GPU busy
+behind it). A bit-exact checksum of every output and gradient is compared across the trees on the workers' first
+calls and again after the timings; any difference fails.
 
-    python tools/compare_trees.py --tree before=/tmp/before --tree after=. --rounds 3 --json out.json
-
-Rounds of fresh processes see the GPU's clock drift under its power cap between one tree's run and the next (spreads
-of 4-10 % on an H100), more than a kernel change of a few percent moves. ``--paired N`` times in pairs instead: one
-worker per tree stays alive with every case prepared, and each case is timed tree after tree (in a fresh order each
-time) N times; the ratio of each pair is taken on its own and the summary prints their median and quartiles. Bits
-are compared on the workers' first calls and again after the timings.
-
-    python tools/compare_trees.py --tree before=/tmp/before --tree after=. --paired 20 --json out.json
+    python tools/compare_trees.py --tree before=/tmp/before --tree after=. --pairs 20 --json out.json
 
 A tree is a checkout (its ``megatron_mok`` is imported from there); the first is the baseline. A tree launches
 through ``kernel.mok_forward`` / ``kernel.mok_backward`` (the PyTorch operators) or, in older checkouts, through
-``kernel.mok_forward_emulated`` / ``kernel.backward.mok_backward_emulated`` at one rank; the host time per call
-(the Python call alone, the GPU busy behind it) is printed beside the device times.
+``kernel.mok_forward_emulated`` / ``kernel.backward.mok_backward_emulated`` at one rank.
 """
 
 from __future__ import annotations
@@ -161,15 +155,6 @@ def _time_case(case: dict, iters: int) -> dict:
     return {
         "forward_ms": cuda_times_ms(case["forward"], iters, 2)[0],
         "backward_ms": cuda_times_ms(case["backward"], iters, 2)[0],
-    }
-
-
-def _one_case(inputs: tuple, dtype: str, iters: int) -> dict:
-    """Checksums and timings of one slice in one dtype: forward, then backward on its outputs."""
-    case = _prepare_case(inputs, dtype)
-    return {
-        "sums": case["sums"](),
-        **_time_case(case, iters),
         "forward_host_us": _host_us(case["forward"], iters),
         "backward_host_us": _host_us(case["backward"], iters),
     }
@@ -196,19 +181,6 @@ def _slice_inputs(name: str):
     return x, idx, w, w1, w2, go
 
 
-def run_cases(iters: int) -> dict:
-    """Every case in this process's tree: {case: {"sums": {name: checksum}, "forward_ms", "backward_ms"}}."""
-    import torch
-
-    out: dict = {}
-    for name in SLICES:
-        inputs = _slice_inputs(name)
-        for dtype in ("bf16", "fp8"):
-            out[f"{name} {dtype}"] = _one_case(inputs, dtype, iters)
-            torch.cuda.empty_cache()
-    return out
-
-
 def _release_cached_memory() -> None:
     import torch
 
@@ -216,7 +188,7 @@ def _release_cached_memory() -> None:
 
 
 def serve(iters: int) -> None:
-    """A paired-mode worker: prepares every case, then answers requests from stdin, one JSON line each on the
+    """A tree's worker: prepares every case, then answers requests from stdin, one JSON line each on the
     process's original stdout, which nothing else writes to (the tree's own prints go to stderr): "sums" -> {case:
     checksums}, a case's name -> its forward and backward times, "quit" ends it."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -234,7 +206,7 @@ def serve(iters: int) -> None:
 
 
 class _Worker:
-    """One tree's paired-mode worker process; its own output goes to a log file, shown if it fails."""
+    """One tree's worker process; its own output goes to a log file, shown if it fails."""
 
     def __init__(self, label: str, tree: Path, iters: int):
         self.label, self.tree = label, tree
@@ -272,6 +244,9 @@ class _Worker:
         self.log.close()
 
 
+_TIMES = ("forward_ms", "backward_ms", "forward_host_us", "backward_host_us")
+
+
 def _quantiles(v: list[float]) -> tuple[float, float, float]:
     """(25th percentile, median, 75th percentile)."""
     if len(v) < 2:
@@ -280,8 +255,8 @@ def _quantiles(v: list[float]) -> tuple[float, float, float]:
     return q[0], q[1], q[2]
 
 
-def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> tuple[dict, bool]:
-    """The paired mode: returns (report, bits identical). Workers are started one after another (each prepares
+def run_pairs(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> tuple[dict, bool]:
+    """Every case timed on every tree, pair after pair: returns (report, bits identical). Workers are started one after another (each prepares
     its cases alone); any failure stops them all."""
     workers: dict[str, _Worker] = {}
     try:
@@ -294,7 +269,7 @@ def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) ->
                 raise SystemExit(f"tree {label}: cases {w.cases} differ from {base}'s {cases}")
         first = {label: w.ask("sums") for label, w in workers.items()}
         rng = random.Random(seed)
-        times: dict = {c: {label: {"forward_ms": [], "backward_ms": []} for label in trees} for c in cases}
+        times: dict = {c: {label: {k: [] for k in _TIMES} for label in trees} for c in cases}
         for i in range(pairs):
             for case in cases:
                 order = list(trees)
@@ -321,8 +296,8 @@ def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) ->
                     ok = False
                     print(f"BITS DIFFER: {case}, tree {label}, {when}: {', '.join(diff)}")
     report: dict = {"trees": {k: str(v) for k, v in trees.items()}, "pairs": pairs, "iters": iters, "cases": {}}
-    print(f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'bwd ms':>8s}   per-pair ratio vs {base}, median (quartiles):"
-          " fwd; bwd")  # fmt: skip
+    print(f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'bwd ms':>8s} {'host us fwd / bwd':>18s}   per-pair ratio vs {base},"
+          " median (quartiles): fwd; bwd")  # fmt: skip
     for case in cases:
         for label in trees:
             t, b = times[case][label], times[case][base]
@@ -334,7 +309,8 @@ def run_paired(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) ->
                 row[k.replace("_ms", "_ratios")] = ratios
                 cols.append(f"{med:.3f} ({lo:.3f}-{hi:.3f})")
             fm, bm = statistics.median(t["forward_ms"]), statistics.median(t["backward_ms"])
-            print(f"{case:20s} {label:8s} {fm:8.3f} {bm:8.3f}   {cols[0]}; {cols[1]}")
+            hf, hb = statistics.median(t["forward_host_us"]), statistics.median(t["backward_host_us"])
+            print(f"{case:20s} {label:8s} {fm:8.3f} {bm:8.3f} {hf:8.1f} / {hb:7.1f}   {cols[0]}; {cols[1]}")
             report["cases"].setdefault(case, {})[label] = row
     print("bits: identical across trees, before and after the timings" if ok else "bits: DIFFER")
     return report, ok
@@ -346,16 +322,6 @@ def _worker_env(tree: Path) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(tree), *site])
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def _run_worker(label: str, tree: Path, iters: int) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", path, "--iters", str(iters)]
-    proc = subprocess.run(cmd, cwd=tree, env=_worker_env(tree), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"tree {label} ({tree}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(Path(path).read_text())
 
 
 def _prebuild(trees: dict[str, Path]) -> None:
@@ -381,22 +347,16 @@ def _prebuild(trees: dict[str, Path]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH of a checkout (the first: baseline)")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--pairs", type=int, default=20, help="times each case is timed on every tree, tree after tree")
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per case, tree and pair (their median)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--paired", type=int, default=0, metavar="N",
-                    help="time in N pairs of long-lived workers instead of --rounds of fresh processes")  # fmt: skip
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        Path(args.worker).write_text(json.dumps(run_cases(args.iters)))
-        return 0
     if args.serve:
         serve(args.iters)
         return 0
-    if args.paired < 0 or args.rounds < 1 or args.iters < 1:
-        ap.error("--paired must be >= 0, --rounds and --iters >= 1")
+    if args.pairs < 1 or args.iters < 1:
+        ap.error(f"--pairs and --iters must be >= 1, got {args.pairs} / {args.iters}")
     trees = {}
     for spec in args.tree:
         label, sep, path = spec.partition("=")
@@ -406,49 +366,7 @@ def main() -> int:
     if len(trees) < 2:
         ap.error("give at least two --tree LABEL=PATH")
     _prebuild(trees)
-    if args.paired:
-        report, ok = run_paired(trees, args.paired, args.iters)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
-        return 0 if ok else 1
-    rng = random.Random(0)
-    rounds: dict[str, list[dict]] = {label: [] for label in trees}
-    for _ in range(args.rounds):
-        order = list(trees)
-        rng.shuffle(order)
-        for label in order:
-            rounds[label].append(_run_worker(label, trees[label], args.iters))
-    base = next(iter(trees))
-    ok = True
-    report: dict = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "cases": {}}
-    print(
-        f"{'case':20s} {'tree':8s} {'fwd ms':>8s} {'spread':>7s} {'bwd ms':>8s} {'spread':>7s} {'host us fwd / bwd':>18s}"
-        f"  vs {base}"
-    )
-    for case in rounds[base][0]:
-        ref = rounds[base][0][case]["sums"]
-        for label in trees:
-            runs = [r[case] for r in rounds[label]]
-            for i, r in enumerate(runs):
-                diff = [k for k in ref if r["sums"][k] != ref[k]]
-                if diff:
-                    ok = False
-                    print(f"BITS DIFFER: {case}, tree {label} round {i}: {', '.join(diff)}")
-            f = [r["forward_ms"] for r in runs]
-            b = [r["backward_ms"] for r in runs]
-            fb = statistics.median(r[case]["forward_ms"] for r in rounds[base])
-            bb = statistics.median(r[case]["backward_ms"] for r in rounds[base])
-            fm, bm = statistics.median(f), statistics.median(b)
-            hf = statistics.median(r.get("forward_host_us", float("nan")) for r in runs)
-            hb = statistics.median(r.get("backward_host_us", float("nan")) for r in runs)
-            print(
-                f"{case:20s} {label:8s} {fm:8.3f} {(max(f) - min(f)) / fm:6.1%} {bm:8.3f} {(max(b) - min(b)) / bm:6.1%}"
-                f" {hf:8.1f} / {hb:7.1f}  {fm / fb:.3f} / {bm / bb:.3f}"
-            )
-            report["cases"].setdefault(case, {})[label] = {
-                "forward_ms": f, "backward_ms": b, "forward_host_us": hf, "backward_host_us": hb, "sums": runs[0]["sums"]
-            }  # fmt: skip
-    print("bits: identical across trees and rounds" if ok else "bits: DIFFER")
+    report, ok = run_pairs(trees, args.pairs, args.iters)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if ok else 1
