@@ -9,8 +9,9 @@ allocations and the FP8 weight cache look-up).
 
 With ``--layer`` it takes Megatron's MoE layer instead (the Kimi-K2 slice's bf16 and FP8 configs, stock router,
 ``mok`` dispatcher, as ``bench_ceilings.py`` builds it) and splits the host time of its forward into Megatron's
-router, the routing conversion, the expert weights' look-up, the backend choice and the kernel call; the rest is
-Megatron's layer, the dispatcher and the autograd node around the kernel call.
+router, the routing conversion, the expert-path check, the expert weights' look-up, the plan, the backend choice,
+the autograd node, the kernel call's Python wrapper, its FP8 weight look-up and the ``mok::forward`` operator (each
+part without the parts nested in it); the rest is Megatron's layer and the dispatcher.
     python benchmarks/host_overhead.py [--shapes kimi,dsv3] [--calls 50] [--json out.json]
     python benchmarks/host_overhead.py --layer [--tokens 8192] [--json out.json]
 """
@@ -27,6 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded as a module (tests)
 from bench_common import make_inputs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
@@ -38,19 +40,27 @@ from megatron_mok.kernel import check_last_error  # noqa: E402
 
 
 class PartTimer:
-    """Wraps callables and sums their wall time per call of the outer function."""
+    """Wraps callables and sums their wall time per call of the outer function. A part called inside another counts
+    for itself only: the outer part's time is what remains without it, so the parts add up to no more than the
+    whole."""
 
     def __init__(self) -> None:
         self.acc: dict[str, float] = {}
+        self._inner: list[float] = []  # per open part: the time of the parts nested in it so far
 
     def wrap(self, name: str, fn):
         @functools.wraps(fn)
         def timed(*a, **k):
+            self._inner.append(0.0)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.acc[name] = self.acc.get(name, 0.0) + time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                inner = self._inner.pop()
+                self.acc[name] = self.acc.get(name, 0.0) + spent - inner
+                if self._inner:
+                    self._inner[-1] += spent
 
         return timed
 
@@ -110,9 +120,14 @@ def layer_overheads(args, timer: PartTimer) -> list[dict]:
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     megatron_mok.register()
     saved = {(routing, "topk_from_routing_map"): routing.topk_from_routing_map,
-             (dispatcher, "expert_weights"): dispatcher.expert_weights}  # fmt: skip
+             (dispatcher, "expert_weights"): dispatcher.expert_weights,
+             (dispatcher, "mok_moe"): dispatcher.mok_moe,
+             (torch.ops.mok, "forward"): torch.ops.mok.forward}  # fmt: skip
     routing.topk_from_routing_map = timer.wrap("routing conversion", routing.topk_from_routing_map)
     dispatcher.expert_weights = timer.wrap("expert weights", dispatcher.expert_weights)
+    dispatcher.mok_moe = timer.wrap("autograd node", dispatcher.mok_moe)
+    real_op = saved[(torch.ops.mok, "forward")]
+    torch.ops.mok.forward = timer.wrap("operator", lambda *a: real_op(*a))
     out = []
     try:
         for config in ("kimi-k2", "kimi-k2-fp8"):
@@ -123,15 +138,19 @@ def layer_overheads(args, timer: PartTimer) -> list[dict]:
             layer(x)  # the backend chosen, the library loaded, the FP8 weights cached
             backend = d.backend_for(x.view(-1, x.shape[-1]), saved[(dispatcher, "expert_weights")](layer.experts)[1][0])
             layer.router.forward = timer.wrap("router", layer.router.forward)
+            layer._resolve_expert_path = timer.wrap("expert path", layer._resolve_expert_path)
+            d.plan = timer.wrap("plan", d.plan)
             d.backend_for = timer.wrap("backend choice", d.backend_for)
             backend.forward = timer.wrap("kernel call", backend.forward)
+            backend._fp8_weights = timer.wrap("fp8 weights", backend._fp8_weights)
             try:
                 for _ in range(3):
                     layer(x)
                 check_last_error()
                 got = measure(functools.partial(layer, x), timer, args.calls)
             finally:
-                del layer.router.forward, d.backend_for, backend.forward
+                del layer.router.forward, layer._resolve_expert_path, d.plan, d.backend_for
+                del backend.forward, backend._fp8_weights
             parts = " | ".join(f"{k} {v:7.1f}" for k, v in got.items() if k != "total")
             print(f"layer {config:12s}: host {got['total']:7.1f} us per forward = {parts} (us, medians)", flush=True)
             out.append({"config": config, "tokens": args.tokens, **got})
