@@ -145,11 +145,15 @@ def test_compare_trees_paired_ratios_cancel_the_clock_drift(monkeypatch):
         # every pair is timed inside one drift level or across one step, so the median pair reads the true 0.9
         ratios = report["cases"][case]["b"]["forward_ratios"]
         assert len(ratios) == 6 and sorted(ratios)[3] == pytest.approx(0.9)
+        assert report["cases"][case]["b"]["forward_ratio_quartiles"][1] == pytest.approx(0.9)  # the median reported
         assert report["cases"][case]["a"]["forward_ratios"] == [1.0] * 6
     timed = [e for e in _FakeWorker.log if not e.startswith(("start", "close"))]
     # interleaved: each case is timed on both trees back to back, pair after pair
     assert all({timed[i].split()[-1], timed[i + 1].split()[-1]} == {"a", "b"} for i in range(0, len(timed), 2))
     assert [e.rsplit(" ", 1)[0] for e in timed[::2]] == ["kimi-k2 fp8", "deepseek-v3 fp8"] * 6
+    for case in ("kimi-k2 fp8", "deepseek-v3 fp8"):  # each tree goes first in half of a case's pairs
+        firsts = [e.split()[-1] for e in timed[::2] if e.startswith(case)]
+        assert firsts.count("a") == firsts.count("b") == 3
     assert _FakeWorker.log[-2:] == ["close a", "close b"]
 
 
@@ -161,10 +165,10 @@ def test_compare_trees_paired_checks_bits_after_the_timings(monkeypatch):
 def test_compare_trees_worker_answers_on_its_own_channel(tmp_path):
     """The real serve loop with CPU stand-ins for the cases: the tree's prints must not reach the answers."""
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from load_script import load_script\n"
+        "import os, sys; sys.path.insert(0, sys.argv[1]); from load_script import load_script\n"
         "ct = load_script('compare_trees')\n"
         "ct.SLICES = {'s': 1}\n"
-        "ct._slice_inputs = lambda name: print('tree chatter on stdout')\n"
+        "ct._slice_inputs = lambda name: (print('tree chatter on stdout'), os.write(1, b'C-level chatter on fd 1\\n'))\n"
         "ct._prepare_case = lambda inputs, dtype: {'sums': lambda: {'out': dtype}}\n"
         "ct._time_case = lambda case, iters: {'forward_ms': 1.5, 'backward_ms': 2.5}\n"
         "ct._release_cached_memory = lambda: None\n"
@@ -179,4 +183,24 @@ def test_compare_trees_worker_answers_on_its_own_channel(tmp_path):
         {"s bf16": {"out": "bf16"}, "s fp8": {"out": "fp8"}},
         {"forward_ms": 1.5, "backward_ms": 2.5},
     ]
-    assert "tree chatter" in proc.stderr
+    assert "tree chatter" in proc.stderr and "C-level chatter" in proc.stderr
+
+
+def test_compare_trees_quartiles():
+    ct = load_script("compare_trees")
+    assert ct._quantiles([5.0, 1.0, 4.0, 2.0, 3.0]) == (2.0, 3.0, 4.0)
+    assert ct._quantiles([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_compare_trees_worker_that_ends_is_a_clear_error(monkeypatch):
+    """A worker that ends (here right after naming its cases) stops the run with the end of its log, whether it ends
+    while busy or idle."""
+    ct = load_script("compare_trees")
+    stub = "import sys; print('{\"cases\": [\"c\"]}', flush=True); sys.stderr.write('worker log: out of memory\\n')"
+    monkeypatch.setattr(ct, "_worker_command", lambda iters: [sys.executable, "-c", stub])
+    w = ct._Worker("b", Path("."), 1)
+    assert w.cases == ["c"]
+    w.proc.wait()
+    with pytest.raises(SystemExit, match=r"(?s)tree b .* worker ended .*worker log: out of memory"):
+        w.ask("c")
+    w.close()

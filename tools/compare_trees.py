@@ -4,12 +4,12 @@ timings in pairs.
 Each tree runs in a worker process of its own (its own ``megatron_mok`` and library, built once into the shared
 cache) that prepares every case -- the Kimi-K2 and DeepSeek-V3 slices (hidden 7168, ffn 2048, top-8, 8192 tokens,
 EP 1; 8 / 32 local experts), bf16 and FP8, forward and backward with the shipped configs' kernel settings -- on
-inputs drawn from fixed seeds, and stays alive. Each case is then timed tree after tree, in a fresh order each
-time, N times (``--pairs``): the GPU's clock under its power cap drifts between one process's run and the next by
+inputs drawn from fixed seeds, and stays alive. Each case is then timed tree after tree, each tree first in turn,
+N times (``--pairs``): the GPU's clock under its power cap drifts between one process's run and the next by
 more than a kernel change of a few percent moves (4-10 % between fresh processes on an H100), but little between
 the two halves of a pair. The summary prints each tree's median device time per case, the median of the per-pair
 ratios against the first tree with their quartiles, and the host time per call (the Python call alone, the GPU busy
-behind it). A bit-exact checksum of every output and gradient is compared across the trees on the workers' first
+behind it; the launches read no error record, so a layer call's lazy error read is not in it). A bit-exact checksum of every output and gradient is compared across the trees on the workers' first
 calls and again after the timings; any difference fails.
 
     python tools/compare_trees.py --tree before=/tmp/before --tree after=. --pairs 20 --json out.json
@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
+import select
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 # (name, local experts); both at hidden 7168, ffn 2048, top-8, 8192 tokens
 SLICES = {"kimi-k2": 8, "deepseek-v3": 32}
@@ -129,16 +130,19 @@ def _prepare_case(inputs: tuple, dtype: str) -> dict:
     saved = torch.empty((T * K, 2 * F), dtype=torch.bfloat16, device=dev)
     fwd, bwd = _launchers(dtype, dev)
 
+    state: dict = {}  # the combine buffer the timed backward reads: the first forward's (its checksum's)
+
     def forward():
         return fwd(x, idx, w, w1, w2, saved, q8)
 
-    comb = forward()[1]
-
     def backward():
-        return bwd(go, x, idx, w, comb, w1, w2, saved, q8)
+        if "comb" not in state:
+            state["comb"] = forward()[1]
+        return bwd(go, x, idx, w, state["comb"], w1, w2, saved, q8)
 
     def sums() -> dict:
         o, c = forward()
+        state.setdefault("comb", c)
         gx, gw, g1, g2 = bwd(go, x, idx, w, c, w1, w2, saved, q8)
         torch.cuda.synchronize()
         out = {"out": checksum(o), "combine": checksum(c), "saved_h": checksum(saved)}
@@ -146,6 +150,7 @@ def _prepare_case(inputs: tuple, dtype: str) -> dict:
         out.update(grad_w1=checksum(torch.stack(g1)), grad_w2=checksum(torch.stack(g2)))
         return out
 
+    # nothing is launched yet: the first "sums" request checksums each case's very first calls
     return {"forward": forward, "backward": backward, "sums": sums}
 
 
@@ -195,6 +200,7 @@ def serve(iters: int) -> None:
     os.dup2(2, 1)
     cases = {f"{name} {dtype}": _prepare_case(inputs, dtype) for name in SLICES for inputs in [_slice_inputs(name)]
              for dtype in ("bf16", "fp8")}  # fmt: skip
+    _release_cached_memory()  # before the next tree's worker prepares its own
     answers.write(json.dumps({"cases": list(cases)}) + "\n")
     for line in sys.stdin:
         req = line.strip()
@@ -205,30 +211,56 @@ def serve(iters: int) -> None:
         answers.write(json.dumps(reply) + "\n")
 
 
+def _worker_command(iters: int) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--serve", "--iters", str(iters)]
+
+
 class _Worker:
     """One tree's worker process; its own output goes to a log file, shown if it fails."""
+
+    #: seconds one answer may take (a case's timings, or every case's checksums) before the worker counts as hung
+    TIMEOUT_S = 900.0
 
     def __init__(self, label: str, tree: Path, iters: int):
         self.label, self.tree = label, tree
         self.log = tempfile.NamedTemporaryFile("w+", suffix=f"-{label}.log")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--iters", str(iters)]
-        self.proc = subprocess.Popen(cmd, cwd=tree, env=_worker_env(tree), stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(_worker_command(iters), cwd=tree, env=_worker_env(tree), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)  # fmt: skip
-        self.cases: list[str] = self._read()["cases"]
+        try:
+            self.cases: list[str] = self._read()["cases"]
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, what: str) -> NoReturn:
+        """Stop the worker and raise with the end of its log."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.log.seek(0)
+        raise SystemExit(f"tree {self.label} ({self.tree}) worker {what} (rc {self.proc.returncode}):\n"
+                         f"{self.log.read()[-3000:]}")  # fmt: skip
 
     def _read(self) -> dict:
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.TIMEOUT_S)
+        if not ready:
+            self._fail(f"gave no answer within {self.TIMEOUT_S:g} s")
+        line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait()
-            self.log.seek(0)
-            raise SystemExit(f"tree {self.label} ({self.tree}) worker ended (rc {self.proc.returncode}):\n"
-                             f"{self.log.read()[-3000:]}")  # fmt: skip
-        return json.loads(line)
+            self._fail("ended")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self._fail(f"answered {line[:200]!r}")
 
     def ask(self, request: str) -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(request + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(request + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it ended while idle
+            self._fail("ended")
         return self._read()
 
     def close(self) -> None:
@@ -241,6 +273,12 @@ class _Worker:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None and not f.closed:
+                try:
+                    f.close()
+                except OSError:  # a request still buffered for a worker that ended
+                    pass
         self.log.close()
 
 
@@ -255,9 +293,9 @@ def _quantiles(v: list[float]) -> tuple[float, float, float]:
     return q[0], q[1], q[2]
 
 
-def run_pairs(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> tuple[dict, bool]:
-    """Every case timed on every tree, pair after pair: returns (report, bits identical). Workers are started one after another (each prepares
-    its cases alone); any failure stops them all."""
+def run_pairs(trees: dict[str, Path], pairs: int, iters: int) -> tuple[dict, bool]:
+    """Every case timed on every tree, pair after pair: returns (report, bits identical). Workers are started one after
+    another (each prepares its cases alone); any failure stops them all."""
     workers: dict[str, _Worker] = {}
     try:
         for label, tree in trees.items():
@@ -268,13 +306,13 @@ def run_pairs(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> 
             if w.cases != cases:
                 raise SystemExit(f"tree {label}: cases {w.cases} differ from {base}'s {cases}")
         first = {label: w.ask("sums") for label, w in workers.items()}
-        rng = random.Random(seed)
         times: dict = {c: {label: {k: [] for k in _TIMES} for label in trees} for c in cases}
+        labels = list(trees)
         for i in range(pairs):
-            for case in cases:
-                order = list(trees)
-                rng.shuffle(order)
-                for label in order:
+            for j, case in enumerate(cases):
+                # which tree goes first turns round from pair to pair (and case to case): each goes first equally often
+                r = (i + j) % len(labels)
+                for label in labels[r:] + labels[:r]:
                     for k, v in workers[label].ask(case).items():
                         times[case][label][k].append(v)
             # as they come, so that a run stopped early still shows its pairs
@@ -301,12 +339,13 @@ def run_pairs(trees: dict[str, Path], pairs: int, iters: int, seed: int = 0) -> 
     for case in cases:
         for label in trees:
             t, b = times[case][label], times[case][base]
-            row: dict = {**t, "sums": first[label][case]}
+            row: dict = {**t, "sums": first[label][case], "sums_after_timings": last[label][case]}
             cols = []
             for k in ("forward_ms", "backward_ms"):
                 ratios = [x / y for x, y in zip(t[k], b[k])]
                 lo, med, hi = _quantiles(ratios)
                 row[k.replace("_ms", "_ratios")] = ratios
+                row[k.replace("_ms", "_ratio_quartiles")] = [lo, med, hi]
                 cols.append(f"{med:.3f} ({lo:.3f}-{hi:.3f})")
             fm, bm = statistics.median(t["forward_ms"]), statistics.median(t["backward_ms"])
             hf, hb = statistics.median(t["forward_host_us"]), statistics.median(t["backward_host_us"])
