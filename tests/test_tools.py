@@ -162,7 +162,7 @@ def test_compare_trees_paired_checks_bits_after_the_timings(monkeypatch):
     assert not ok
 
 
-def test_compare_trees_worker_answers_on_its_own_channel(tmp_path):
+def test_compare_trees_worker_answers_on_its_own_channel():
     """The real serve loop with CPU stand-ins for the cases: the tree's prints must not reach the answers."""
     code = (
         "import os, sys; sys.path.insert(0, sys.argv[1]); from load_script import load_script\n"
@@ -193,8 +193,8 @@ def test_compare_trees_quartiles():
 
 
 def test_compare_trees_worker_that_ends_is_a_clear_error(monkeypatch):
-    """A worker that ends (here right after naming its cases) stops the run with the end of its log, whether it ends
-    while busy or idle."""
+    """A worker that ends while idle (here right after naming its cases) stops the run at the next request with the
+    end of its log, not a broken pipe."""
     ct = load_script("compare_trees")
     stub = "import sys; print('{\"cases\": [\"c\"]}', flush=True); sys.stderr.write('worker log: out of memory\\n')"
     monkeypatch.setattr(ct, "_worker_command", lambda iters: [sys.executable, "-c", stub])

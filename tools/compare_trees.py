@@ -9,8 +9,9 @@ N times (``--pairs``): the GPU's clock under its power cap drifts between one pr
 more than a kernel change of a few percent moves (4-10 % between fresh processes on an H100), but little between
 the two halves of a pair. The summary prints each tree's median device time per case, the median of the per-pair
 ratios against the first tree with their quartiles, and the host time per call (the Python call alone, the GPU busy
-behind it; the launches read no error record, so a layer call's lazy error read is not in it). A bit-exact checksum of every output and gradient is compared across the trees on the workers' first
-calls and again after the timings; any difference fails.
+behind it; the launches read no error record, so a layer call's lazy error read is not in it). A bit-exact checksum
+of every output and gradient is compared across the trees on the workers' first calls and again after the timings;
+any difference fails.
 
     python tools/compare_trees.py --tree before=/tmp/before --tree after=. --pairs 20 --json out.json
 
