@@ -1,0 +1,42 @@
+"""The lazy error reader (``megatron_mok.kernel.errors``): launches' error records copied behind them and read by
+a later call without a host sync. A record is never overwritten before it is read, however many launches are still
+running when the reader's slots wrap round, and a clean run leaves nothing pending."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mok.kernel import errors
+
+pytestmark = pytest.mark.gpu
+
+
+def _records(reader: errors._LazyErrorChecker, n: int, failed: int | None) -> None:
+    """n records on the current stream, launch ``failed`` (if any) with an error, behind a ~0.1 s GPU sleep so that
+    none has finished while the host hands them all to the reader."""
+    torch.cuda._sleep(200_000_000)
+    for i in range(n):
+        err = torch.zeros(16, dtype=torch.int32, device="cuda")
+        if i == failed:
+            err[0], err[1] = 1, 7
+        reader.after_launch(err, None, lambda v, i=i: f"launch {i}: code {v[0]}, rank {v[1]}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_record_is_read_before_its_slot_is_used_again():
+    reader = errors._LazyErrorChecker()
+    with pytest.raises(errors.MokKernelError, match="launch 3: code 1, rank 7"):
+        _records(reader, reader.SLOTS + 8, failed=3)  # slot 3 comes round again while launch 3 is unread
+    reader.drain()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_clean_launches_leave_nothing_pending():
+    reader = errors._LazyErrorChecker()
+    _records(reader, 2 * reader.SLOTS + 5, failed=None)
+    reader.drain()
+    assert reader.pending == [] and not any(reader.unread)
+    _records(reader, 5, failed=2)  # and a failure after the slots went round twice is still found
+    with pytest.raises(errors.MokKernelError, match="launch 2: code 1, rank 7"):
+        reader.drain()
