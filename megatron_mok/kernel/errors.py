@@ -225,7 +225,8 @@ class _LazyErrorChecker:
         self.next = 0
 
     def after_launch(self, err: torch.Tensor, stream, message: Message) -> None:
-        """``stream``: the launch's, None for the current stream (of err's device)."""
+        """``stream``: the launch's, or None for the current stream, which must then be on err's device (the module's
+        ``after_launch`` passes the stream otherwise)."""
         self.poll()
         slot = self.next
         if self.unread[slot]:  # never overwrite an unread record

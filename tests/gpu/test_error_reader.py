@@ -32,6 +32,27 @@ def test_a_record_is_read_before_its_slot_is_used_again():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_slow_stream_keeps_its_slot_while_others_finish():
+    """Records finish out of order across streams: a failed launch on a slow stream keeps its slot while a fast
+    stream's records are read and freed (few pending at any time), until its slot comes round again."""
+    reader = errors._LazyErrorChecker()
+    slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(slow):
+        torch.cuda._sleep(400_000_000)
+        err = torch.zeros(16, dtype=torch.int32, device="cuda")
+        err[0], err[1] = 1, 5
+    reader.after_launch(err, slow, lambda v: f"slow launch: code {v[0]}, rank {v[1]}")
+    with pytest.raises(errors.MokKernelError, match="slow launch: code 1, rank 5"):
+        for i in range(reader.SLOTS):
+            with torch.cuda.stream(fast):
+                ok = torch.zeros(16, dtype=torch.int32, device="cuda")
+            reader.after_launch(ok, fast, lambda v, i=i: f"fast launch {i}")
+            fast.synchronize()  # read and freed at the next call, while the slow one still sleeps
+            assert len(reader.pending) <= 2
+    reader.drain()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_clean_launches_leave_nothing_pending():
     reader = errors._LazyErrorChecker()
     _records(reader, 2 * reader.SLOTS + 5, failed=None)
