@@ -12,15 +12,22 @@ from megatron_mok.kernel import errors
 pytestmark = pytest.mark.gpu
 
 
+def _record(code: int, rank: int, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """A launch's error record on the GPU, made before any sleep: a new allocation (cudaMalloc) or a tensor element
+    set from Python (a pageable copy) waits for the GPU, which would let the sleeping work finish first."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        return torch.tensor([code, rank] + [0] * 14, dtype=torch.int32, device="cuda")
+
+
 def _records(reader: errors._LazyErrorChecker, n: int, failed: int | None) -> None:
     """n records on the current stream, launch ``failed`` (if any) with an error, behind a ~0.1 s GPU sleep so that
     none has finished while the host hands them all to the reader."""
+    errs = [_record(1, 7) if i == failed else _record(0, 0) for i in range(n)]
     torch.cuda._sleep(200_000_000)
-    for i in range(n):
-        err = torch.zeros(16, dtype=torch.int32, device="cuda")
-        if i == failed:
-            err[0], err[1] = 1, 7
+    for i, err in enumerate(errs):
         reader.after_launch(err, None, lambda v, i=i: f"launch {i}: code {v[0]}, rank {v[1]}")
+        # until the slots come round every record is still pending: the sleep outlasts the loop
+        assert i >= reader.SLOTS or len(reader.pending) == i + 1, "records finished before all were handed over"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,15 +44,15 @@ def test_a_slow_stream_keeps_its_slot_while_others_finish():
     stream's records are read and freed (few pending at any time), until its slot comes round again."""
     reader = errors._LazyErrorChecker()
     slow, fast = torch.cuda.Stream(), torch.cuda.Stream()
+    err = _record(1, 5, slow)
+    oks = [_record(0, 0, fast) for _ in range(reader.SLOTS)]
+    torch.cuda.synchronize()
     with torch.cuda.stream(slow):
         torch.cuda._sleep(400_000_000)
-        err = torch.zeros(16, dtype=torch.int32, device="cuda")
-        err[0], err[1] = 1, 5
     reader.after_launch(err, slow, lambda v: f"slow launch: code {v[0]}, rank {v[1]}")
     with pytest.raises(errors.MokKernelError, match="slow launch: code 1, rank 5"):
-        for i in range(reader.SLOTS):
-            with torch.cuda.stream(fast):
-                ok = torch.zeros(16, dtype=torch.int32, device="cuda")
+        for i, ok in enumerate(oks):
+            assert i == reader.SLOTS - 1 or not reader.events[0].query(), "the slow launch finished too soon"
             reader.after_launch(ok, fast, lambda v, i=i: f"fast launch {i}")
             fast.synchronize()  # read and freed at the next call, while the slow one still sleeps
             assert len(reader.pending) <= 2
