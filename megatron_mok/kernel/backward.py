@@ -57,7 +57,7 @@ def weight_grads(tpe, xl, gyl, dh, act, *, mode: str = "mm", main_grad_w1=None, 
             tpe, xl, gyl, dh, act, main_grad_w1=main_grad_w1, main_grad_w2=main_grad_w2, err=err
         )
         check = errors.capture_check("lazy", "weight_grads")  # no event query while a CUDA graph captures
-        errors.after_launch(err, torch.cuda.current_stream(dev), check, errors.backward_message(1, L, 10000.0))
+        errors.after_launch(err, None, check, errors.backward_message(1, L, 10000.0))  # the current stream
         return gw1, gw2
     if mode == "grouped":
         offs = torch.cumsum(tpe, 0, dtype=torch.int32)

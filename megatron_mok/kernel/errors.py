@@ -193,12 +193,12 @@ def after_launch(err: torch.Tensor, stream, check, message: Message) -> None:
         return
     if id(err) in _records:
         _records[id(err)] = (_records[id(err)][0], message)
-    if check and stream is None:
+    if check and stream is None and err.device.index != torch.cuda.current_device():
         stream = torch.cuda.current_stream(err.device)
-    if check == "lazy":
+    if check == "lazy":  # (runs behind every layer call: the current stream is used without looking it up)
         _lazy_checker(err.device.index).after_launch(err, stream, message)
     elif check:
-        stream.synchronize()
+        (stream if stream is not None else torch.cuda.current_stream(err.device)).synchronize()
         vals = err.cpu().tolist()
         if vals[0] != 0:
             raise MokKernelError(message(vals))
@@ -216,32 +216,45 @@ class _LazyErrorChecker:
     SLOTS = 64
 
     def __init__(self) -> None:
-        self.host = torch.zeros((self.SLOTS, 16), dtype=torch.int32).pin_memory()
-        self.pending: list[tuple[int, torch.cuda.Event, Message]] = []
+        host = torch.zeros((self.SLOTS, 16), dtype=torch.int32).pin_memory()
+        # per slot, made once (this runs behind every launch): its pinned row and its event, recorded again per use
+        self.rows = list(host.unbind(0))
+        self.events = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.unread = [False] * self.SLOTS
+        self.pending: list[tuple[int, Message]] = []
         self.next = 0
 
     def after_launch(self, err: torch.Tensor, stream, message: Message) -> None:
+        """``stream``: the launch's, or None for the current stream, which must then be on err's device (the module's
+        ``after_launch`` passes the stream otherwise)."""
         self.poll()
-        if len(self.pending) >= self.SLOTS:  # never overwrite an unread record
-            self.drain()
         slot = self.next
-        self.next = (self.next + 1) % self.SLOTS
-        with torch.cuda.stream(stream):
-            self.host[slot].copy_(err, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        self.pending.append((slot, ev, message))
+        if self.unread[slot]:  # never overwrite an unread record
+            self.drain()
+        self.next = (slot + 1) % self.SLOTS
+        ev = self.events[slot]
+        if stream is None:
+            self.rows[slot].copy_(err, non_blocking=True)
+            ev.record()
+        else:
+            with torch.cuda.stream(stream):
+                self.rows[slot].copy_(err, non_blocking=True)
+                ev.record(stream)
+        self.unread[slot] = True
+        self.pending.append((slot, message))
 
     def poll(self, wait: bool = False) -> None:
         still = []
         found = []  # (record, message) of finished launches that failed
-        for slot, ev, message in self.pending:
+        for slot, message in self.pending:
+            ev = self.events[slot]
             if wait:
                 ev.synchronize()
             if not ev.query():
-                still.append((slot, ev, message))
+                still.append((slot, message))
                 continue
-            vals = self.host[slot].tolist()
+            self.unread[slot] = False
+            vals = self.rows[slot].tolist()
             if vals[0] != 0:
                 found.append((vals, message))
         self.pending = still

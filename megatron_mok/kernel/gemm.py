@@ -41,5 +41,5 @@ def fp8_grouped_gemm(
         e, 1, len(wq), timeout_ms, kernel="MoK fp8 GEMM", phases={6: "internal smem pipeline"}
     )
     check = errors.capture_check("lazy", "fp8_grouped_gemm")  # no event query while a CUDA graph captures
-    errors.after_launch(err, torch.cuda.current_stream(xq.device), check, message)
+    errors.after_launch(err, None, check, message)  # launched on the current stream
     return out
