@@ -66,3 +66,22 @@ def test_lean_forward_instances(compiled):
             assert f"mok_forward_kernelILb{fp8}ELi{feat}E" in log, f"forward instance <{fp8}, {feat}> not built"
     s_lean = _spill_stores(log, "_ZN3mok18mok_forward_kernelILb1ELi0EEEvNS_6ParamsE")
     assert s_lean <= 128, f"lean FP8 instance spills {s_lean} bytes"
+
+
+def test_fp8_promotion_yield_hints(compiled):
+    """The build's SASS post-pass (megatron_mok/kernel/sass.py) finds the promotion's FMUL runs in both FP8 forward
+    instances and interleaves their yield hints: a renamed kernel or a reshaped promotion that it no longer finds
+    would silently cost the FP8 forward ~3 %."""
+    from megatron_mok.kernel import sass
+
+    cubin, log = compiled["forward"]
+    assert "sass post-pass: yield hints interleaved in" in log, "the build log holds no post-pass line"
+    runs = sass.promotion_runs(cubin)
+    assert {r.function for r in runs} == {sass.FP8_FORWARD_KERNEL + f"Li{f}EEEvNS_6ParamsE" for f in (0, 1)}
+    for r in runs:
+        highs = [
+            int.from_bytes(cubin[r.offset + 16 * k + 8 : r.offset + 16 * k + 16], "little") for k in range(r.length)
+        ]
+        assert all(h & sass.REUSE_FLAGS == 0 for h in highs[1::2]), f"reuse flags left on a flipped FMUL of {r}"
+        flipped = sum((a ^ b) & sass.YIELD_HINT != 0 for a, b in zip(highs[0::2], highs[1::2]))
+        assert flipped >= r.length // 2 - 2, f"the yield hints of {r} are not interleaved ({flipped} pairs differ)"

@@ -1,0 +1,99 @@
+"""A post-pass over the FP8 forward kernel's machine code: the yield hint flipped on every other FMUL of its scale
+promotion.
+
+Each 128-wide K block of the FP8 K loop (``csrc/mok/gemm/fp8_kloop.cuh``) drains its WGMMA group and rescales the
+accumulator in place: a run of ~128 FMULs that ptxas issues back to back (stall 1), all with the same yield hint, on
+the path from one block's drain to the next block's issue. With the hint flipped on every other one (and those
+instructions' operand-reuse flags cleared: a warp switch after one of them would leave the reuse cache to another
+warp) the FP8 forward ran 3 % faster on an H100 with identical output bits (docs/design.md). ptxas has no switch for
+it, so the build patches the compiled object before linking, as DeepGEMM once interleaved its promotion FFMAs.
+
+Encoding (sm_90, 128-bit instructions, two little-endian 64-bit words): the opcode in bits 0-11 of the low word
+(0x220: FMUL with register operands), the yield hint at bit 45 and the four operand-reuse flags at bits 58-61 of the
+high word. Only runs of at least ``MIN_RUN`` consecutive FMULs in the FP8 forward kernels' own sections are touched:
+nothing else in the kernels has such runs, and every other kernel is left as compiled."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FMUL_OPCODE = 0x220
+YIELD_HINT = 1 << 45
+REUSE_FLAGS = 0xF << 58
+MIN_RUN = 100
+#: the FP8 instantiations of ``mok::mok_forward_kernel<bool kFp8, int>`` (mangled prefix of their section names)
+FP8_FORWARD_KERNEL = "_ZN3mok18mok_forward_kernelILb1E"
+_EM_CUDA = 190
+_INSTR = 16
+
+
+@dataclass(frozen=True)
+class FmulRun:
+    """One run of consecutive FMULs: its function and the file offset of its first instruction."""
+
+    function: str
+    offset: int
+    length: int
+
+
+def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
+    """The CUDA ELF images in a file (a cubin, or an object or library that embeds them uncompressed): each one's
+    offset and its sections {name: (file offset, size)}."""
+    i = blob.find(b"\x7fELF\x02\x01")
+    while i >= 0:
+        try:
+            (machine,) = struct.unpack_from("<H", blob, i + 18)
+            if machine == _EM_CUDA:
+                (shoff,) = struct.unpack_from("<Q", blob, i + 40)
+                shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, i + 58)
+                headers = [struct.unpack_from("<IIQQQQ", blob, i + shoff + k * shentsize) for k in range(shnum)]
+                names_at = i + headers[shstrndx][4]
+                sections = {}
+                for name_off, _type, _flags, _addr, offset, size in headers:
+                    start = names_at + name_off
+                    name = blob[start : blob.index(b"\0", start)].decode()
+                    sections[name] = (i + offset, size)
+                yield i, sections
+        except (struct.error, IndexError, ValueError, UnicodeDecodeError):
+            pass  # bytes that only look like an ELF header
+        i = blob.find(b"\x7fELF\x02\x01", i + 4)
+
+
+def promotion_runs(blob: bytes) -> list[FmulRun]:
+    """The FMUL runs of at least ``MIN_RUN`` instructions in the FP8 forward kernels of every CUDA image in blob."""
+    runs = []
+    for _, sections in cuda_elfs(blob):
+        for name, (offset, size) in sections.items():
+            if not name.startswith(".text." + FP8_FORWARD_KERNEL):
+                continue
+            start, count = None, 0
+            for at in range(offset, offset + size - _INSTR + 1, _INSTR):
+                (low,) = struct.unpack_from("<Q", blob, at)
+                if low & 0xFFF == FMUL_OPCODE:
+                    start = at if count == 0 else start
+                    count += 1
+                    continue
+                if count >= MIN_RUN:
+                    runs.append(FmulRun(name[len(".text.") :], start, count))
+                count = 0
+            if count >= MIN_RUN:
+                runs.append(FmulRun(name[len(".text.") :], start, count))
+    return runs
+
+
+def interleave_yield(path: Path) -> list[FmulRun]:
+    """Flip the yield hint (and clear the reuse flags) of every other FMUL, the second of each pair, of each promotion
+    run in the file at ``path``, in place. Returns the runs (none: nothing changed, e.g. a compressed fat binary)."""
+    blob = bytearray(Path(path).read_bytes())
+    runs = promotion_runs(bytes(blob))
+    for run in runs:
+        for k in range(1, run.length, 2):
+            at = run.offset + k * _INSTR + 8
+            (high,) = struct.unpack_from("<Q", blob, at)
+            struct.pack_into("<Q", blob, at, (high ^ YIELD_HINT) & ~REUSE_FLAGS)
+    if runs:
+        Path(path).write_bytes(bytes(blob))
+    return runs
