@@ -16,8 +16,9 @@ FMUL = (0x000000B118B17220, HIGH | (1 << 58))
 OTHER = (0x000000B118B17223, HIGH)  # FFMA: not an FMUL
 
 
-def _elf(sections: dict[str, list[tuple[int, int]]]) -> bytes:
-    """A minimal 64-bit little-endian CUDA ELF with one section per entry (name -> instructions as (low, high))."""
+def _elf(sections: dict[str, list[tuple[int, int]]], sm: int = 90) -> bytes:
+    """A minimal 64-bit little-endian CUDA ELF for sm_``sm`` with one section per entry (name -> instructions as
+    (low, high))."""
     names = b"\0.shstrtab\0" + b"".join(f".text.{n}\0".encode() for n in sections)
     bodies = [b"".join(struct.pack("<QQ", lo, hi) for lo, hi in ins) for ins in sections.values()]
     data_at = 64
@@ -35,16 +36,16 @@ def _elf(sections: dict[str, list[tuple[int, int]]]) -> bytes:
         headers.append(struct.pack("<IIQQQQIIQQ", name_at, 1, 6, 0, at, len(b), 0, 0, 128, 0))
         name_at += len(f".text.{n}\0")
     ident = b"\x7fELF\x02\x01\x01" + b"\0" * 9
-    head = ident + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 0, 0, 64, len(headers), 1)
+    head = ident + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, sm << 8, 64, 0, 0, 64, len(headers), 1)
     blob = head + body + names
     return blob + b"\0" * (shoff - len(blob)) + b"".join(headers)
 
 
-def _file(tmp_path: Path, sections) -> tuple[Path, bytes, int]:
+def _file(tmp_path: Path, sections, sm: int = 90) -> tuple[Path, bytes, int]:
     """An "object": host bytes, then the CUDA ELF; returns its path, its bytes and the ELF's offset."""
     prefix = b"\x7fELF\x02\x01\x01" + b"\0" * 9 + struct.pack("<H", 62) + b"host code" * 50  # an x86-64 ELF header
     prefix += b"\0" * (-len(prefix) % 16)  # sections stay 16-byte aligned in the file, as in a real object
-    blob = prefix + _elf(sections)
+    blob = prefix + _elf(sections, sm)
     path = tmp_path / "forward_cu.o"
     path.write_bytes(blob)
     return path, blob, len(prefix)
@@ -83,3 +84,24 @@ def test_leaves_a_file_without_runs_untouched(tmp_path):
     junk = tmp_path / "junk.o"
     junk.write_bytes(b"\x7fELF\x02\x01\x01" + b"\xff" * 60 + b"\x7fELF\x02\x01")  # truncated headers: no image
     assert sass.interleave_yield(junk) == []
+
+
+def test_leaves_other_architectures_and_cut_files_alone(tmp_path):
+    path, before, _ = _file(tmp_path, {FP8: [FMUL] * 120}, sm=100)  # the encodings are sm_90's
+    assert sass.interleave_yield(path) == [] and path.read_bytes() == before
+    path, before, at = _file(tmp_path, {FP8: [FMUL] * 120})
+    (shoff,) = struct.unpack_from("<Q", before, at + 40)
+    bad = bytearray(before)
+    struct.pack_into("<Q", bad, at + shoff + 2 * 64 + 32, 10**6)  # the FP8 section claims more bytes than the file
+    path.write_bytes(bytes(bad))
+    assert sass.interleave_yield(path) == [] and path.read_bytes() == bytes(bad)
+
+
+def test_a_second_pass_undoes_the_first(tmp_path):
+    """The flip is its own inverse: the build applies it once, to a freshly compiled object."""
+    path, before, _ = _file(tmp_path, {FP8: [FMUL] * 110})
+    sass.interleave_yield(path)
+    sass.interleave_yield(path)
+    after = path.read_bytes()
+    reuse = [at for at in range(0, len(before), 16) if before[at + 8 : at + 16] != after[at + 8 : at + 16]]
+    assert len(reuse) == 55  # the yields are back; the cleared reuse flags stay cleared

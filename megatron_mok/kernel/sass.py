@@ -2,16 +2,20 @@
 promotion.
 
 Each 128-wide K block of the FP8 K loop (``csrc/mok/gemm/fp8_kloop.cuh``) drains its WGMMA group and rescales the
-accumulator in place: a run of ~128 FMULs that ptxas issues back to back (stall 1), all with the same yield hint, on
-the path from one block's drain to the next block's issue. With the hint flipped on every other one (and those
-instructions' operand-reuse flags cleared: a warp switch after one of them would leave the reuse cache to another
-warp) the FP8 forward ran 3 % faster on an H100 with identical output bits (docs/design.md). ptxas has no switch for
-it, so the build patches the compiled object before linking, as DeepGEMM once interleaved its promotion FFMAs.
+accumulator in place, on the path from one block's drain to the next block's issue. ptxas lays the rescale out as two
+runs of FMULs in each FP8 forward instance (128 and 123 with nvcc 13.0, split by a reciprocal and a predicate),
+issued back to back (stall 1) with one yield hint on all but a run's last. Flipping the hint on every other FMUL of a
+run (the second of each pair, the last one included) and clearing those instructions' operand-reuse flags (a warp
+switch after one of them would leave the reuse cache to another warp) made the FP8 forward 3 % faster on an H100 with
+identical output bits (docs/design.md). ptxas has no switch for it, so the build patches the freshly compiled object
+before linking, once (the flip is its own inverse), as DeepGEMM once interleaved its promotion FFMAs.
 
 Encoding (sm_90, 128-bit instructions, two little-endian 64-bit words): the opcode in bits 0-11 of the low word
 (0x220: FMUL with register operands), the yield hint at bit 45 and the four operand-reuse flags at bits 58-61 of the
-high word. Only runs of at least ``MIN_RUN`` consecutive FMULs in the FP8 forward kernels' own sections are touched:
-nothing else in the kernels has such runs, and every other kernel is left as compiled."""
+high word. Only sm_90 CUDA images, and in them only runs of at least ``MIN_RUN`` consecutive FMULs in the FP8 forward
+kernels' own sections, are touched: nothing else in the kernels has such runs (the next longest: 20), and every other
+kernel is left as compiled. The objects must embed their cubins uncompressed (the build passes
+``--compress-mode=none``)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ MIN_RUN = 100
 #: the FP8 instantiations of ``mok::mok_forward_kernel<bool kFp8, int>`` (mangled prefix of their section names)
 FP8_FORWARD_KERNEL = "_ZN3mok18mok_forward_kernelILb1E"
 _EM_CUDA = 190
+_SM = 90  # the architecture these encodings are for (bits 8-15 of a cubin's e_flags)
 _INSTR = 16
 
 
@@ -40,13 +45,14 @@ class FmulRun:
 
 
 def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
-    """The CUDA ELF images in a file (a cubin, or an object or library that embeds them uncompressed): each one's
-    offset and its sections {name: (file offset, size)}."""
+    """The sm_90 CUDA ELF images in a file (a cubin, or an object or library that embeds them uncompressed): each
+    one's offset and its sections {name: (file offset, size)}, every section within the file."""
     i = blob.find(b"\x7fELF\x02\x01")
     while i >= 0:
         try:
             (machine,) = struct.unpack_from("<H", blob, i + 18)
-            if machine == _EM_CUDA:
+            (e_flags,) = struct.unpack_from("<I", blob, i + 48)
+            if machine == _EM_CUDA and (e_flags >> 8) & 0xFF == _SM:
                 (shoff,) = struct.unpack_from("<Q", blob, i + 40)
                 shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, i + 58)
                 headers = [struct.unpack_from("<IIQQQQ", blob, i + shoff + k * shentsize) for k in range(shnum)]
@@ -55,7 +61,8 @@ def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
                 for name_off, _type, _flags, _addr, offset, size in headers:
                     start = names_at + name_off
                     name = blob[start : blob.index(b"\0", start)].decode()
-                    sections[name] = (i + offset, size)
+                    if i + offset + size <= len(blob):
+                        sections[name] = (i + offset, size)
                 yield i, sections
         except (struct.error, IndexError, ValueError, UnicodeDecodeError):
             pass  # bytes that only look like an ELF header

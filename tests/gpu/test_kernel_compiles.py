@@ -23,8 +23,14 @@ def compiled(tmp_path_factory):
         cubin = build.compile_only(out / f"{which}.cubin", source=f"host/{which}.cu")
         return which, (cubin.read_bytes(), cubin.with_suffix(".log").read_text())
 
-    with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, ("forward", "backward")))
+    def forward_object(_):  # the object the library links, the post-pass applied as the build applies it
+        obj = build.compile_only(out / "forward_cu.o", source="host/forward.cu", object_file=True)
+        return "forward_object", (obj.read_bytes(), obj.with_suffix(".log").read_text())
+
+    with ThreadPoolExecutor(3) as pool:
+        got = dict(pool.map(one, ("forward", "backward")))
+        got.update(pool.map(forward_object, [None]))
+        return got
 
 
 def test_kernels_compile_for_sm90a(compiled):
@@ -68,13 +74,14 @@ def test_lean_forward_instances(compiled):
     assert s_lean <= 128, f"lean FP8 instance spills {s_lean} bytes"
 
 
-def test_fp8_promotion_yield_hints(compiled):
+@pytest.mark.parametrize("which", ["forward", "forward_object"])
+def test_fp8_promotion_yield_hints(compiled, which):
     """The build's SASS post-pass (megatron_mok/kernel/sass.py) finds the promotion's FMUL runs in both FP8 forward
-    instances and interleaves their yield hints: a renamed kernel or a reshaped promotion that it no longer finds
-    would silently cost the FP8 forward ~3 %."""
+    instances, in the cubin and in the object the library links, and interleaves their yield hints: a renamed kernel,
+    a reshaped promotion or a compressed object that it no longer reads would cost the FP8 forward ~3 %."""
     from megatron_mok.kernel import sass
 
-    cubin, log = compiled["forward"]
+    cubin, log = compiled[which]
     assert "sass post-pass: yield hints interleaved in" in log, "the build log holds no post-pass line"
     runs = sass.promotion_runs(cubin)
     assert {r.function for r in runs} == {sass.FP8_FORWARD_KERNEL + f"Li{f}EEEvNS_6ParamsE" for f in (0, 1)}
