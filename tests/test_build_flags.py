@@ -28,3 +28,12 @@ def test_sources_read_no_build_switch_but_the_ablation_one():
     for p in build.source_dir().rglob("*.cu*"):
         names |= set(re.findall(r"#\s*(?:ifn?def|if)\s+(MOK_\w+)", p.read_text()))
     assert names <= {"MOK_ABLATION"}, names
+
+
+def test_fat_binaries_uncompressed_where_nvcc_knows_how(monkeypatch):
+    """The SASS post-pass reads the kernel objects' cubins: nvcc >= 12.4 is told not to compress them, older ones
+    (which do not know the option) are not."""
+    assert "--compress-mode=none" in build.nvcc_flags(Path("/inc"), Path("/src"), release=(13, 0))
+    assert "--compress-mode=none" not in build.nvcc_flags(Path("/inc"), Path("/src"), release=(12, 3))
+    monkeypatch.setattr(build, "_nvcc_version", lambda nvcc: "Cuda compilation tools, release 12.8, V12.8.93")
+    assert build.nvcc_release("nvcc") == (12, 8)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,13 +106,19 @@ def _host_compiler() -> str | None:
     return None
 
 
-def nvcc_flags(include: Path, src: Path, arch: str = "90a") -> list[str]:
+def nvcc_release(nvcc: str) -> tuple[int, int]:
+    """(major, minor) of an nvcc from its ``--version`` ("release 13.0"), (0, 0) if it does not say."""
+    m = re.search(r"release (\d+)\.(\d+)", _nvcc_version(nvcc))
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def nvcc_flags(include: Path, src: Path, arch: str = "90a", release: tuple[int, int] = (0, 0)) -> list[str]:
+    """The kernels' nvcc flags; ``release``: the nvcc's (``nvcc_release``), for the options older ones lack."""
     flags = [
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
         "-std=c++17",
         "-O3",
         "--expt-relaxed-constexpr",
-        "--compress-mode=none",  # the SASS post-pass (sass.py) reads the objects' cubins
         "-Xcompiler",
         "-fPIC",
         f"-I{include}",
@@ -121,6 +128,8 @@ def nvcc_flags(include: Path, src: Path, arch: str = "90a") -> list[str]:
         flags.append(f"-I{include.parent / 'tools' / 'util' / 'include'}")
     if build_choices()["MOK_ABLATION"]:  # timing-ablation variant (see csrc/mok/common.cuh)
         flags.append("-DMOK_ABLATION")
+    if release >= (12, 4):  # uncompressed fat binaries: the SASS post-pass (sass.py) reads the objects' cubins
+        flags.append("--compress-mode=none")
     if _host_compiler():
         flags += ["-ccbin", _host_compiler()]
     return flags
@@ -212,7 +221,7 @@ def build_extension(which: str = "sm90", verbose: bool = False, force: bool = Fa
 
     ext = EXTENSIONS[which]
     nvcc, inc, src = _check_tools()
-    flags = [*nvcc_flags(inc, src, ext.arch), "-Xptxas", "-v"]
+    flags = [*nvcc_flags(inc, src, ext.arch, nvcc_release(nvcc)), "-Xptxas", "-v"]
     cflags, ldflags = torch_flags()
     cxx = _host_compiler() or "c++"
     h = hashlib.sha256()
@@ -283,7 +292,7 @@ def compile_only(
     arch = "100a" if source.startswith("sm100/") else "90a"
     suffix = ".o" if object_file else ".cubin"
     out = Path(output) if output else Path(tempfile.mkdtemp(prefix="mok_cc_")) / (Path(source).stem + suffix)
-    flags = nvcc_flags(inc, src, arch)
+    flags = nvcc_flags(inc, src, arch, nvcc_release(nvcc))
     mode = "-c" if object_file else "-cubin"
     log = _run_all([[nvcc, *flags, mode, "-Xptxas", "-v", "-o", str(out), str(src / source)]], verbose)
     if post_pass:

@@ -15,7 +15,7 @@ Encoding (sm_90, 128-bit instructions, two little-endian 64-bit words): the opco
 high word. Only sm_90 CUDA images, and in them only runs of at least ``MIN_RUN`` consecutive FMULs in the FP8 forward
 kernels' own sections, are touched: nothing else in the kernels has such runs (the next longest: 20), and every other
 kernel is left as compiled. The objects must embed their cubins uncompressed (the build passes
-``--compress-mode=none``)."""
+``--compress-mode=none`` where nvcc knows it, 12.4 and later)."""
 
 from __future__ import annotations
 
