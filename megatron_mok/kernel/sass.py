@@ -4,9 +4,10 @@ promotion.
 Each 128-wide K block of the FP8 K loop (``csrc/mok/gemm/fp8_kloop.cuh``) drains its WGMMA group and rescales the
 accumulator in place, on the path from one block's drain to the next block's issue: in each FP8 forward instance a
 run of 128 FMULs inside the loop (and one of 123, the final rescale after it, with nvcc 13.0), issued back to back
-(stall 1) with one yield hint on all but a run's last. Flipping the hint on every other FMUL of a run (the second of each pair, the last one included) and clearing those instructions' operand-reuse flags (a warp
-switch after one of them would leave the reuse cache to another warp) made the FP8 forward 3 % faster on an H100 with
-identical output bits (docs/design.md). ptxas has no switch for it, so the build patches the freshly compiled object
+(stall 1) with one yield hint on all but a run's last. Flipping the hint on every other FMUL of a run (the second of
+each pair, the last one included) and clearing those instructions' operand-reuse flags (a warp switch after one of
+them would leave the reuse cache to another warp) made the FP8 forward 3 % faster on an H100 with identical output
+bits (docs/design.md). ptxas has no switch for it, so the build patches the freshly compiled object
 before linking, once (the flip is its own inverse), as DeepGEMM once interleaved its promotion FFMAs.
 
 Encoding (sm_90, 128-bit instructions, two little-endian 64-bit words): the opcode in bits 0-11 of the low word
