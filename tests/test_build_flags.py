@@ -30,10 +30,9 @@ def test_sources_read_no_build_switch_but_the_ablation_one():
     assert names <= {"MOK_ABLATION"}, names
 
 
-def test_fat_binaries_uncompressed_where_nvcc_knows_how(monkeypatch):
+def test_fat_binaries_uncompressed_where_nvcc_knows_how():
     """The SASS post-pass reads the kernel objects' cubins: nvcc >= 12.4 is told not to compress them, older ones
     (which do not know the option) are not."""
     assert "--compress-mode=none" in build.nvcc_flags(Path("/inc"), Path("/src"), release=(13, 0))
     assert "--compress-mode=none" not in build.nvcc_flags(Path("/inc"), Path("/src"), release=(12, 3))
-    monkeypatch.setattr(build, "_nvcc_version", lambda nvcc: "Cuda compilation tools, release 12.8, V12.8.93")
-    assert build.nvcc_release("nvcc") == (12, 8)
+    assert build.nvcc_release("Cuda compilation tools, release 12.8, V12.8.93") == (12, 8)

@@ -106,9 +106,9 @@ def _host_compiler() -> str | None:
     return None
 
 
-def nvcc_release(nvcc: str) -> tuple[int, int]:
-    """(major, minor) of an nvcc from its ``--version`` ("release 13.0"), (0, 0) if it does not say."""
-    m = re.search(r"release (\d+)\.(\d+)", _nvcc_version(nvcc))
+def nvcc_release(version: str) -> tuple[int, int]:
+    """(major, minor) of an nvcc from its ``--version`` text ("release 13.0"), (0, 0) if it does not say."""
+    m = re.search(r"release (\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
@@ -221,14 +221,15 @@ def build_extension(which: str = "sm90", verbose: bool = False, force: bool = Fa
 
     ext = EXTENSIONS[which]
     nvcc, inc, src = _check_tools()
-    flags = [*nvcc_flags(inc, src, ext.arch, nvcc_release(nvcc)), "-Xptxas", "-v"]
+    version = _nvcc_version(nvcc)
+    flags = [*nvcc_flags(inc, src, ext.arch, nvcc_release(version)), "-Xptxas", "-v"]
     cflags, ldflags = torch_flags()
     cxx = _host_compiler() or "c++"
     h = hashlib.sha256()
     for f in library_sources(src, which):
         h.update(str(f.relative_to(src)).encode())
         h.update(f.read_bytes())
-    for part in (flags, cflags, ldflags, [cxx, torch.__version__, _nvcc_version(nvcc)]):
+    for part in (flags, cflags, ldflags, [cxx, torch.__version__, version]):
         h.update(" ".join(part).encode())
     for tool in (Path(__file__), Path(sass.__file__)):  # this build procedure and its post-pass
         h.update(tool.read_bytes())
@@ -292,7 +293,7 @@ def compile_only(
     arch = "100a" if source.startswith("sm100/") else "90a"
     suffix = ".o" if object_file else ".cubin"
     out = Path(output) if output else Path(tempfile.mkdtemp(prefix="mok_cc_")) / (Path(source).stem + suffix)
-    flags = nvcc_flags(inc, src, arch, nvcc_release(nvcc))
+    flags = nvcc_flags(inc, src, arch, nvcc_release(_nvcc_version(nvcc)))
     mode = "-c" if object_file else "-cubin"
     log = _run_all([[nvcc, *flags, mode, "-Xptxas", "-v", "-o", str(out), str(src / source)]], verbose)
     if post_pass:

@@ -19,6 +19,7 @@ kernel is left as compiled. The objects must embed their cubins uncompressed (th
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,9 +45,9 @@ class FmulRun:
     length: int
 
 
-def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
+def cuda_elfs(blob: bytes) -> Iterator[dict[str, tuple[int, int]]]:
     """The sm_90 CUDA ELF images in a file (a cubin, or an object or library that embeds them uncompressed): each
-    one's offset and its sections {name: (file offset, size)}, every section within the file."""
+    one's sections {name: (file offset, size)}, every section within the file."""
     i = blob.find(b"\x7fELF\x02\x01")
     while i >= 0:
         try:
@@ -63,7 +64,7 @@ def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
                     name = blob[start : blob.index(b"\0", start)].decode()
                     if i + offset + size <= len(blob):
                         sections[name] = (i + offset, size)
-                yield i, sections
+                yield sections
         except (struct.error, IndexError, ValueError, UnicodeDecodeError):
             pass  # bytes that only look like an ELF header
         i = blob.find(b"\x7fELF\x02\x01", i + 4)
@@ -71,23 +72,19 @@ def cuda_elfs(blob: bytes) -> Iterator[tuple[int, dict[str, tuple[int, int]]]]:
 
 def promotion_runs(blob: bytes) -> list[FmulRun]:
     """The FMUL runs of at least ``MIN_RUN`` instructions in the FP8 forward kernels of every CUDA image in blob."""
+
+    def is_fmul(at: int) -> bool:
+        return struct.unpack_from("<Q", blob, at)[0] & 0xFFF == FMUL_OPCODE
+
     runs = []
-    for _, sections in cuda_elfs(blob):
+    for sections in cuda_elfs(blob):
         for name, (offset, size) in sections.items():
             if not name.startswith(".text." + FP8_FORWARD_KERNEL):
                 continue
-            start, count = None, 0
-            for at in range(offset, offset + size - _INSTR + 1, _INSTR):
-                (low,) = struct.unpack_from("<Q", blob, at)
-                if low & 0xFFF == FMUL_OPCODE:
-                    start = at if count == 0 else start
-                    count += 1
-                    continue
-                if count >= MIN_RUN:
-                    runs.append(FmulRun(name[len(".text.") :], start, count))
-                count = 0
-            if count >= MIN_RUN:
-                runs.append(FmulRun(name[len(".text.") :], start, count))
+            for fmul, group in itertools.groupby(range(offset, offset + size - _INSTR + 1, _INSTR), key=is_fmul):
+                at = list(group)
+                if fmul and len(at) >= MIN_RUN:
+                    runs.append(FmulRun(name[len(".text.") :], at[0], len(at)))
     return runs
 
 
