@@ -37,23 +37,35 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
                                               Hook after_issue = Hook{}) {
   const int lt = threadIdx.x & 127;
   const bool no_drain = MOK_DBG(64);  // ablation build only (see above)
+  // The consumer warps' own instructions, not the tensor cores, set this loop's pace (docs/performance.md,
+  // section 3), so the loop keeps branches and 64-bit arithmetic out. Every scale pointer is made valid here:
+  // a row past the tile reads its neighbour's scales (with neither row in the tile, the first weight block's),
+  // a column block past the matrix the first block's -- finite values whose products are never stored.
+  if (sa0 == nullptr) {
+    sa0 = sb0;
+    sa_step = 0;
+  }
+  if (sa1 == nullptr) sa1 = sa0;
+  if (sb1 == nullptr) sb1 = sb0;
+  // Stage 0's descriptor low words (this warpgroup's 64 A rows; the 256 B rows of both column blocks).
+  const uint32_t a_lo = smem_desc_sw128_lo(sm.stages + wgc * (64 * kBKf8));
+  const uint32_t b_lo = smem_desc_sw128_lo(sm.stages + kATileBytes);
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
-  // at the top of the block before its drain, so they have the drain and the previous block to land in.
-  // (Loading them behind each tile's first issue instead, to spare the tile start one L2 round trip, made the
-  // FP8 tiles 2.9 % (fc1) / 4.9 % (fc2) longer side by side on an H100.)
+  // at the top of the block before its drain, so they have the drain and the previous block to land in; the
+  // last block loads its own again rather than branch. (Loading them behind each tile's first issue instead,
+  // to spare the tile start one L2 round trip, made the FP8 tiles 2.9 % (fc1) / 4.9 % (fc2) longer side by
+  // side on an H100.)
   float pa0 = 1.f, pa1 = 1.f, pb0 = 1.f, pb1 = 1.f;  // the previous block's scales
-  float na0 = sa0 ? __ldcg(sa0) : 1.f, na1 = sa1 ? __ldcg(sa1) : 1.f;
-  const float *ka0 = sa0, *ka1 = sa1;  // the last loaded block's scale (K-block-major: one step per block)
-  float nb0 = sb0 ? __ldg(sb0) : 1.f, nb1 = sb1 ? __ldg(sb1) : 1.f;
+  float na0 = __ldcg(sa0), na1 = __ldcg(sa1), nb0 = __ldg(sb0), nb1 = __ldg(sb1);
   int prev = 0;
   for (int kb = 0; kb < nk; ++kb) {
     const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
-    if (kb + 1 < nk) {
-      if (sa0) na0 = __ldcg(ka0 += sa_step);
-      if (sa1) na1 = __ldcg(ka1 += sa_step);
-      nb0 = sb0 ? __ldg(sb0 + kb + 1) : 1.f;
-      nb1 = sb1 ? __ldg(sb1 + kb + 1) : 1.f;
-    }
+    const int kn = min(kb + 1, nk - 1);
+    const long long ka = kn * sa_step;  // K-block-major activation scales: one step per block
+    na0 = __ldcg(sa0 + ka);
+    na1 = __ldcg(sa1 + ka);
+    nb0 = __ldg(sb0 + kn);
+    nb1 = __ldg(sb1 + kn);
     if (kb > 0 && !no_drain) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
@@ -64,15 +76,12 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       if (lt == 0) release_stage(sm, prev);
     }
     mbar_wait(P, &sm.full[st], ph, q, 4);
-    const uint8_t* a_s = sm.stages + st * kStageBytes + wgc * (64 * kBKf8);
-    const uint8_t* b_s = sm.stages + st * kStageBytes + kATileBytes;
-    const uint64_t da = make_smem_desc_sw128(a_s);
+    const uint32_t off = (uint32_t)st * (uint32_t)(kStageBytes >> 4);
     fence_acc(acc);
     cute::warpgroup_arrive();
-    const uint64_t db = make_smem_desc_sw128(b_s);  // 256 rows of 128 B: both column blocks
 #pragma unroll
-    for (int kk = 0; kk < kBKf8 / 32; ++kk)
-      wgmma_64x256x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), acc, (kb > 0) || (kk > 0));
+    for (int kk = 0; kk < kBKf8 / 32; ++kk)  // one k32 step = 32 B of each SW128 row
+      wgmma_64x256x32_e4m3(sw128_desc(a_lo + off + 2 * kk), sw128_desc(b_lo + off + 2 * kk), acc, (kb > 0) || (kk > 0));
     cute::warpgroup_commit_batch();
     after_issue(kb);
     if (no_drain && kb > 0) {  // ablation: block kb-1 has landed while block kb runs

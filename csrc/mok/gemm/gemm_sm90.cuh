@@ -31,6 +31,15 @@ __device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
   return desc;
 }
 
+// The same descriptor as its two 32-bit words. The high word (stride byte offset, swizzle mode) is one constant;
+// stages and K steps move only the start address in the low word, which stays below bit 14 for any address in
+// the 228 KB of shared memory, so the K loops add to the low word alone and leave the 64-bit arithmetic out.
+constexpr uint32_t kSw128DescHi = (uint32_t)(1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* smem_ptr) {
+  return (((uint32_t)__cvta_generic_to_shared(smem_ptr) & 0x3FFFF) >> 4) | (1u << 16);
+}
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) { return ((uint64_t)kSw128DescHi << 32) | lo; }
+
 // Descriptor for an MN-major operand (rows of 64 MN-contiguous elements, one row per K index) stored as
 // [64 MN x 64 K] TMA boxes with the 128-byte swizzle, box after box along MN (8 KB apart): CuTe's
 // canonical MN-major SW128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte units, i.e. leading byte
