@@ -47,9 +47,13 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   }
   if (sa1 == nullptr) sa1 = sa0;
   if (sb1 == nullptr) sb1 = sb0;
-  // Stage 0's descriptor low words (this warpgroup's 64 A rows; the 256 B rows of both column blocks).
-  const uint32_t a_lo = smem_desc_sw128_lo(sm.stages + wgc * (64 * kBKf8));
+  // Stage 0's descriptor low words (this warpgroup's 64 A rows; the 256 B rows of both column blocks). The
+  // warpgroup index and the stage pass through a lane-0 shuffle: ptxas then knows them warp-uniform and builds
+  // the descriptors in uniform registers (two moves a block instead of a 64-bit add and a move per WGMMA operand).
+  const uint32_t a_lo = smem_desc_sw128_lo(sm.stages + __shfl_sync(0xffffffffu, wgc, 0) * (64 * kBKf8));
   const uint32_t b_lo = smem_desc_sw128_lo(sm.stages + kATileBytes);
+  // activation scale blocks are at most a few million apart (the scale array's size): 32-bit offsets
+  const int a_step = (int)sa_step;
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
   // at the top of the block before its drain, so they have the drain and the previous block to land in; the
   // last block loads its own again rather than branch. (Loading them behind each tile's first issue instead,
@@ -61,11 +65,12 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   for (int kb = 0; kb < nk; ++kb) {
     const float a0 = na0, a1 = na1, b0 = nb0, b1 = nb1;
     const int kn = min(kb + 1, nk - 1);
-    const long long ka = kn * sa_step;  // K-block-major activation scales: one step per block
+    const int ka = kn * a_step;  // K-block-major activation scales: one step per block
     na0 = __ldcg(sa0 + ka);
     na1 = __ldcg(sa1 + ka);
     nb0 = __ldg(sb0 + kn);
     nb1 = __ldg(sb1 + kn);
+    const uint32_t off = (uint32_t)__shfl_sync(0xffffffffu, st, 0) * (uint32_t)(kStageBytes >> 4);  // stage st
     if (kb > 0 && !no_drain) {
       cute::warpgroup_wait<0>();  // block kb-1 has landed: promote it to block kb's scales
       fence_acc(acc);
@@ -76,7 +81,6 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
       if (lt == 0) release_stage(sm, prev);
     }
     mbar_wait(P, &sm.full[st], ph, q, 4);
-    const uint32_t off = (uint32_t)st * (uint32_t)(kStageBytes >> 4);
     fence_acc(acc);
     cute::warpgroup_arrive();
 #pragma unroll
