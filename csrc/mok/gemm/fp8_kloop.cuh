@@ -52,7 +52,7 @@ __device__ __forceinline__ void ffn_kloop_fp8(const Params& P, int q, const Smem
   // the descriptors in uniform registers (two moves a block instead of a 64-bit add and a move per WGMMA operand).
   const uint32_t a_lo = smem_desc_sw128_lo(sm.stages + __shfl_sync(0xffffffffu, wgc, 0) * (64 * kBKf8));
   const uint32_t b_lo = smem_desc_sw128_lo(sm.stages + kATileBytes);
-  // activation scale blocks are at most a few million apart (the scale array's size): 32-bit offsets
+  // 32-bit offsets: the largest, (nk - 1) * sa_step, is below the scale array's element count (its bytes / 4)
   const int a_step = (int)sa_step;
   // Scales are loaded one K block ahead (an L2 round trip per block would otherwise stall the promotion),
   // at the top of the block before its drain, so they have the drain and the previous block to land in; the
