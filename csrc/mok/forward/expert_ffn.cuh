@@ -265,7 +265,7 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       for (int h = 0; h < 2; ++h)
         if (src_row[h].x >= 0) push_dst[h] = P.ranks[src_row[h].x].combine + (long long)src_row[h].y * H;
     };
-    if (!kFp8 && wgc == 1 && ti.rows <= 64) {
+    if (wgc == 1 && ti.rows <= 64) {
       // An expert's last row block with all its rows in the first warpgroup's 64: this warpgroup only
       // passes the stages on, and the first runs the tile's MMAs alone -- one warpgroup's m64n256 WGMMAs
       // use all four tensor cores of the SM, so the tile takes about half as long. bf16 only: in the FP8
@@ -278,6 +278,13 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
       act_rel.flush(wg_bar, lt);
       skip_kloop(P, q, sm, nk, st, ph);  // acc keeps the last tile's values: the epilogue stores none of them
       resolve_push();                    // (no rows of this warpgroup: nothing to resolve)
+      if constexpr (kFp8) {  // no epilogue, only the tile's count (its rows are the other warpgroup's)
+        if (ti.kind == 1)
+          act_rel.hold(ctr_fc1_done(P, q, ti.mb, ti.mt), wg_bar, lt);
+        else if (lt == 0)
+          rel.hold(ctr_mb_done(P, q, ti.mb));
+        continue;
+      }
     } else if constexpr (kFp8) {
       const int nk = ti.kind == 1 ? H / kBKf8 : F / kBKf8;
       const float* sa = ti.kind == 1 ? P.ring_scale : P.act_scale;
