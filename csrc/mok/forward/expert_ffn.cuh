@@ -268,9 +268,9 @@ __device__ void ffn_consumer(const Params& P, int q, const ComputeSmem& sm, int 
     if (wgc == 1 && ti.rows <= 64) {
       // An expert's last row block with all its rows in the first warpgroup's 64: this warpgroup only
       // passes the stages on, and the first runs the tile's MMAs alone -- one warpgroup's m64n256 WGMMAs
-      // use all four tensor cores of the SM, so the tile takes about half as long. bf16 only: in the FP8
-      // kernel this branch, joining the accumulator's registers with the K loop's, made ptxas serialise
-      // every wgmma (C7515; fc1 per SM 87.8 % -> 78.9 %, span 5.76 -> 6.31 ms on the Kimi-K2 slice).
+      // use all four tensor cores of the SM, so the tile takes about half as long. The FP8 warpgroup goes
+      // straight on to the next tile: falling through to the epilogue, which joins this path's accumulator
+      // registers with the K loop's, made ptxas serialise every wgmma of the FP8 kernel (C7515).
       const int nk = ti.kind == 1 ? ceil_div(H, kFp8 ? kBKf8 : kBK) : ceil_div(F, kFp8 ? kBKf8 : kBK);
       // the previous tile's held releases first: this warpgroup issues no MMAs to hide their fences behind,
       // and a consumer that held them through the skipped K loop would delay whoever waits on them
