@@ -71,8 +71,8 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
 static __device__ __noinline__ void fatal_trap() { __trap(); }
 
 // The bug guard of the internal barrier waits: spins until try_wait() holds; past slack * timeout + 1 s it
-// records kErrInternal (rank, barrier phase, `what`) and returns false. No call on any path: the callers
-// decide where to trap (mbar_wait_in_flight only once its WGMMA groups have landed).
+// records kErrInternal (rank, barrier phase, `what`) and returns false. No call on any path: the caller
+// decides where to trap.
 template <class TryWait>
 __device__ __forceinline__ bool spin_or_record(const Params& P, TryWait try_wait, unsigned long long slack,
                                                uint32_t phase, int rank, int what) {
@@ -98,13 +98,6 @@ __device__ __forceinline__ void mbar_wait_slow(const Params& P, uint64_t* bar, u
 __device__ __forceinline__ void mbar_wait(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
   if (mbar_try_wait(bar, phase)) return;
   mbar_wait_slow(P, bar, phase, rank, what);
-}
-
-// As mbar_wait, for waits with WGMMA groups in flight (fp8_kloop.cuh: pipelined halves): no call on any
-// path (a call there makes ptxas serialise every wgmma, C7511), so on a timeout it records the error and
-// returns false; the caller traps (fatal_trap) once its groups have landed.
-__device__ __forceinline__ bool mbar_wait_in_flight(const Params& P, uint64_t* bar, uint32_t phase, int rank, int what) {
-  return mbar_try_wait(bar, phase) || spin_or_record(P, [&] { return mbar_try_wait(bar, phase); }, 4, phase, rank, what);
 }
 
 // Grid-wide barrier (all CTAs co-resident: cooperative launch). Monotonic counter, n-th use.

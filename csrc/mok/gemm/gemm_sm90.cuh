@@ -104,13 +104,6 @@ __device__ __forceinline__ void wgmma_64x256x32_e4m3(uint64_t da, uint64_t db, f
   wgmma_atom<Wgmma256F8, 128>(da, db, d, accumulate);
 }
 
-// `count` arrivals on a local mbarrier at once (one thread standing for several).
-__device__ __forceinline__ void mbar_arrive_count(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"((uint32_t)__cvta_generic_to_shared(bar)),
-               "r"(count)
-               : "memory");
-}
-
 __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) cute::warpgroup_fence_operand(d[i]);
