@@ -21,24 +21,17 @@ using Barrier = cutlass::arch::ClusterTransactionBarrier;  // static API on raw 
 // 128-byte swizzle (exactly what TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element box).
 // start address >> 4 in bits [0,14), leading byte offset (unused for swizzled K-major) [16,30),
 // stride byte offset = 1024 B (8 rows) in [32,46), layout type 1 = SWIZZLE_128B in [62,64).
-__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
-  const uint32_t addr = (uint32_t)__cvta_generic_to_shared(smem_ptr);
-  uint64_t desc = 0;
-  desc |= (uint64_t)((addr & 0x3FFFF) >> 4);
-  desc |= (uint64_t)1 << 16;
-  desc |= (uint64_t)(1024 >> 4) << 32;
-  desc |= (uint64_t)1 << 62;
-  return desc;
-}
-
-// The same descriptor as its two 32-bit words. The high word (stride byte offset, swizzle mode) is one constant;
-// stages and K steps move only the start address in the low word, which stays below bit 14 for any address in
-// the 228 KB of shared memory, so the K loops add to the low word alone and leave the 64-bit arithmetic out.
+// Built from its two 32-bit words: the high word (stride byte offset, swizzle mode) is one constant; stages and
+// K steps move only the start address in the low word, which stays below bit 14 for any address in the 228 KB
+// of shared memory, so a K loop can add to the low word alone and leave the 64-bit arithmetic out.
 constexpr uint32_t kSw128DescHi = (uint32_t)(1024 >> 4) | (1u << 30);
 __device__ __forceinline__ uint32_t smem_desc_sw128_lo(const void* smem_ptr) {
   return (((uint32_t)__cvta_generic_to_shared(smem_ptr) & 0x3FFFF) >> 4) | (1u << 16);
 }
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t lo) { return ((uint64_t)kSw128DescHi << 32) | lo; }
+__device__ __forceinline__ uint64_t make_smem_desc_sw128(const void* smem_ptr) {
+  return sw128_desc(smem_desc_sw128_lo(smem_ptr));
+}
 
 // Descriptor for an MN-major operand (rows of 64 MN-contiguous elements, one row per K index) stored as
 // [64 MN x 64 K] TMA boxes with the 128-byte swizzle, box after box along MN (8 KB apart): CuTe's
