@@ -1,10 +1,12 @@
-"""FP8 block-scaled grouped GEMM unit vs bf16 on a Hopper GPU: the Kimi-K2 slice's fc1
-(K = H 7168 -> N = 2F 4096) and fc2 (K = F 2048 -> N = H 7168) over 8 experts x 8192 rows.
+"""FP8 block-scaled grouped GEMM units vs bf16 on a Hopper GPU, the Kimi-K2 slice over 8 experts x 8192 rows: the
+forward unit's fc1 (K = H 7168 -> N = 2F 4096) and fc2 (K = F 2048 -> N = H 7168), and with ``--wgrad`` the
+weight-gradient unit's dW1 = dH^T x (2F 4096 x H 7168) and dW2 = gy^T act (H 7168 x F 2048), reduced over each
+expert's tokens.
 
 Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs, to one dense bf16 GEMM of the same size and to
 one dense FP8 GEMM of the same size with the same block scales (cuBLAS, ``torch._scaled_mm``) in the same run, and
 the FP8 output's relative error against the bf16 product.
-    python benchmarks/bench_fp8_gemm.py [--rows-per-expert 8192] [--experts 8]
+    python benchmarks/bench_fp8_gemm.py [--rows-per-expert 8192] [--experts 8] [--wgrad]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fp8 import blockwise_mm, runs_here  # noqa: E402
 
 from megatron_mok import fp8  # noqa: E402
-from megatron_mok.kernel.gemm import fp8_grouped_gemm  # noqa: E402
+from megatron_mok.kernel.gemm import fp8_grouped_gemm, fp8_wgrad_gemm  # noqa: E402
 from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
 
 
@@ -62,13 +64,55 @@ def bench_shape(name: str, K: int, N: int, L: int, M: int, iters: int) -> None:
     )
 
 
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+def bench_wgrad(name: str, M: int, N: int, L: int, T: int, iters: int) -> None:
+    """out_e = a_e^T b_e [M, N] over T tokens of each of L experts: the FP8 unit (fp32 out, stored and accumulated)
+    against per-expert bf16 cuBLAS GEMMs on the token rows as the backward holds them ([T, M] and [T, N])."""
+    dev = torch.device("cuda")
+    flops = 2.0 * L * T * M * N
+    ra = torch.randn(L * T, M, device=dev).bfloat16()
+    rb = torch.randn(L * T, N, device=dev).bfloat16()
+    a, sa, counts = fp8.token_major_operand(ra, [T] * L)
+    b, sb, _ = fp8.token_major_operand(rb, [T] * L)
+    out = fp8_wgrad_gemm(a, sa, b, sb, counts)
+    seg = [slice(e * T, (e + 1) * T) for e in range(L)]
+    err = max(_rel_err(o, (ra[s].t() @ rb[s]).float()) for o, s in zip(out, seg))
+    f8_ms, f8_min = cuda_times_ms(lambda: fp8_wgrad_gemm(a, sa, b, sb, counts, out=out), iters, 2)
+    acc_ms, _ = cuda_times_ms(lambda: fp8_wgrad_gemm(a, sa, b, sb, counts, out=out, accumulate=True), iters, 2)
+    bf_ms, _ = cuda_times_ms(lambda: [ra[s].t() @ rb[s] for s in seg], iters, 2)
+    dn_ms, _ = cuda_times_ms(lambda: ra.t() @ rb, iters, 2)  # one reduction over all L x T tokens: same FLOPs
+
+    def tf(ms: float) -> float:
+        return flops / (ms * 1e-3) / 1e12
+
+    block = blockwise_mm(a, b.t(), b_blocks=1)  # 1 x 128 scales along the tokens on both operands, as the recipe's
+    bl = ""
+    if runs_here("dense FP8 block-scaled", block):
+        bl_ms = cuda_times_ms(block, iters, 2)[0]
+        bl = f" | dense FP8 block-scaled (cuBLAS) {bl_ms:.3f} ms = {tf(bl_ms):.0f} -> unit at {bl_ms / f8_ms:.1%}"
+    print(
+        f"{name} [{L} x {T} tokens, {M} x {N}]: fp8 {f8_ms:.3f} ms (min {f8_min:.3f}; accumulating {acc_ms:.3f}) "
+        f"= {tf(f8_ms):.0f} TFLOP/s | bf16 per-expert mm {bf_ms:.3f} ms = {tf(bf_ms):.0f} -> fp8 {bf_ms / f8_ms:.2f}x | "
+        f"dense bf16 {dn_ms:.3f} ms = {tf(dn_ms):.0f}{bl} | fp8 rel err vs bf16 product {err:.2e}",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows-per-expert", type=int, default=8192)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--wgrad", action="store_true", help="the weight-gradient unit (dW1, dW2) instead of fc1 / fc2")
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    if args.wgrad:
+        for name, M, N in (("dW1", 4096, 7168), ("dW2", 7168, 2048)):
+            bench_wgrad(name, M, N, args.experts, args.rows_per_expert, args.iters)
+        return
     for name, K, N in (("fc1", 7168, 4096), ("fc2", 2048, 7168)):
         bench_shape(name, K, N, args.experts, args.rows_per_expert, args.iters)
 

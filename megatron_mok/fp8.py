@@ -1,7 +1,7 @@
 """FP8 (e4m3) with fine-grained block scales, as DeepSeek-V3 trains on Hopper: the numerics oracle
 of the MoK FP8 kernel path (``kernel.dtype: fp8``: the fused forward kernel, the backward kernel's FP8 dgrad, and
-the block-scaled grouped GEMM unit ``megatron_mok.kernel.gemm``), and of the FP8 wgrad still to be built
-(``fp8_expert_ffn_backward(..., wgrad="fp8")``).
+the block-scaled grouped GEMM units ``megatron_mok.kernel.gemm``), and of the FP8 wgrad the backward kernel is
+still to fuse (``fp8_expert_ffn_backward(..., wgrad="fp8")``).
 
 * activations: one fp32 scale per 1 x 128 block of a row (quantized where rows are produced: in the
   kernel, fused into pull dispatch for x and into the SwiGLU epilogue for fc2's input);
@@ -91,6 +91,43 @@ def fp8_wgrad(gq: torch.Tensor, gs: torch.Tensor, aq: torch.Tensor, as_: torch.T
         part = gq[sl].float().t() @ aq[sl].float()
         dw += part * gs[tb].unsqueeze(1) * as_[tb].unsqueeze(0)
     return dw
+
+
+def token_major_operand(rows: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The FP8 weight-gradient GEMM's operand (``megatron_mok.kernel.gemm.fp8_wgrad_gemm``) from token rows [T, F] whose
+    experts' segments lie back to back (counts[e] rows each): every segment quantised with ``quantize_tokens_128x1``
+    (padded to a multiple of 128 tokens with zeros) and laid out token-contiguous, segments back to back. Returns
+    (e4m3 [F, Ktot], fp32 scales [Ktot / 128, F], the padded counts)."""
+    if rows.dim() != 2 or sum(counts) > rows.shape[0] or min(counts, default=0) < 0:
+        raise ValueError(f"token rows {tuple(rows.shape)} cannot hold expert segments of {list(counts)} rows")
+    qs, ss, padded = [], [], []
+    start = 0
+    for c in counts:
+        if c:
+            q, sc = quantize_tokens_128x1(rows[start : start + c])
+            qs.append(q.t())
+            ss.append(sc)
+        padded.append(-(-c // BLOCK) * BLOCK)
+        start += c
+    F = rows.shape[1]
+    if not qs:
+        return rows.new_empty((F, 0), dtype=torch.float8_e4m3fn), rows.new_empty((0, F), dtype=torch.float32), padded
+    return torch.cat(qs, dim=1).contiguous(), torch.cat(ss, dim=0).contiguous(), padded
+
+
+def fp8_wgrad_grouped(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, counts: list[int]
+) -> list[torch.Tensor]:
+    """Per expert e the fp32 a_e @ b_e^T over its token columns (``fp8_wgrad`` on each segment) from the token-
+    contiguous operands of ``token_major_operand``: a [M, Ktot], b [N, Ktot], counts padded to multiples of 128."""
+    out, col = [], 0
+    for c in counts:
+        if c % BLOCK:
+            raise ValueError(f"fp8_wgrad_grouped: {c} tokens is not a multiple of {BLOCK}")
+        cols, blocks = slice(col, col + c), slice(col // BLOCK, (col + c) // BLOCK)
+        out.append(fp8_wgrad(a[:, cols].t(), sa[blocks], b[:, cols].t(), sb[blocks]))
+        col += c
+    return out
 
 
 def dequantize_act(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

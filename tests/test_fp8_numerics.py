@@ -182,3 +182,34 @@ def test_fp8_wgrad_error_vs_fp32_is_no_worse_than_the_forward(H, F, T):
         assert err > 1.1 * _rel(bf, want), f"{name}: the FP8 wgrad is no less exact than the bf16 one"
     with pytest.raises(ValueError, match="wgrad must be 'bf16' or 'fp8', got 'fp16'"):
         fp8.fp8_expert_ffn_backward(*args, wgrad="fp16")
+
+
+def test_token_major_operands_and_the_grouped_wgrad_oracle_match_per_expert_wgrads():
+    """The FP8 wgrad GEMM unit's operand layout (experts' tokens padded to 128 and laid back to back, token-contiguous)
+    and its oracle: each expert's block equals fp8_wgrad of that expert's rows alone; an expert without tokens is 0."""
+    g = torch.Generator().manual_seed(8)
+    counts = [200, 0, 128, 37]
+    dh, x = torch.randn(sum(counts), 256, generator=g), torch.randn(sum(counts), 384, generator=g)
+    a, sa, padded = fp8.token_major_operand(dh, counts)
+    b, sb, padded_b = fp8.token_major_operand(x, counts)
+    assert padded == padded_b == [256, 0, 128, 128]
+    assert a.shape == (256, 512) and sa.shape == (4, 256) and b.shape == (384, 512) and sb.shape == (4, 384)
+    assert a.is_contiguous() and a.dtype == torch.float8_e4m3fn
+    got = fp8.fp8_wgrad_grouped(a, sa, b, sb, padded)
+    start = 0
+    for e, c in enumerate(counts):
+        assert got[e].shape == (256, 384)
+        if c == 0:
+            assert not got[e].any()
+        else:
+            want = fp8.fp8_wgrad(
+                *fp8.quantize_tokens_128x1(dh[start : start + c]), *fp8.quantize_tokens_128x1(x[start : start + c])
+            )
+            assert torch.equal(got[e], want), e
+            exact = dh[start : start + c].t() @ x[start : start + c]
+            assert _rel(got[e], exact) < 0.08
+        start += c
+    with pytest.raises(ValueError, match="cannot hold expert segments"):
+        fp8.token_major_operand(dh, [400, 0, 0, 0])
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        fp8.fp8_wgrad_grouped(a, sa, b, sb, [200, 0, 128, 184])

@@ -1,10 +1,15 @@
-"""FP8 (e4m3) block-scaled grouped GEMM on Hopper: the unit kernel of the FP8 path.
+"""FP8 (e4m3) block-scaled grouped GEMMs on Hopper: the unit kernels of the FP8 path.
 
 ``fp8_grouped_gemm`` runs ``csrc/mok/gemm/fp8_gemm.cuh`` (``mok::fp8_grouped_gemm``): for each expert's rows
 (segments back to back from row 0) ``out = x @ w_e^T`` from e4m3 operands with DeepSeek-V3 block scales
 (1 x 128 for activations, 128 x 128 for weights), fp32 accumulation with per-K-block scale promotion,
 bf16 output. ``megatron_mok.fp8.fp8_linear`` is its oracle. The row counts are host integers here (a
 unit kernel and benchmark); the fused FP8 expert FFN will take them from the in-kernel schedule.
+
+``fp8_wgrad_gemm`` runs ``csrc/mok/gemm/fp8_wgrad_gemm.cuh`` (``mok::fp8_wgrad_gemm``): the weight gradients of
+DeepSeek-V3's FP8 recipe, ``out_e (+)= a_e @ b_e^T`` reduced over expert e's tokens, both operands e4m3 with one
+fp32 scale per 128 tokens of each row (``megatron_mok.fp8.fp8_wgrad_grouped`` is its oracle,
+``megatron_mok.fp8.token_major_operand`` builds its operands).
 """
 
 from __future__ import annotations
@@ -37,9 +42,45 @@ def fp8_grouped_gemm(
         out = torch.empty((rows, N), dtype=torch.bfloat16, device=xq.device)
     err = errors.new_record(xq.device)
     torch.ops.mok.fp8_grouped_gemm(xq, xs, list(wq), list(ws), [int(c) for c in counts], out, err, float(timeout_ms))
-    message = lambda e: errors.format_error(  # noqa: E731
-        e, 1, len(wq), timeout_ms, kernel="MoK fp8 GEMM", phases={6: "internal smem pipeline"}
-    )
-    check = errors.capture_check("lazy", "fp8_grouped_gemm")  # no event query while a CUDA graph captures
-    errors.after_launch(err, None, check, message)  # launched on the current stream
+    _check_lazily(err, len(wq), timeout_ms, "fp8_grouped_gemm", "MoK fp8 GEMM")
     return out
+
+
+def fp8_wgrad_gemm(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    counts: list[int],
+    *,
+    out: list[torch.Tensor] | None = None,
+    accumulate: bool = False,
+    timeout_ms: float = 10000.0,
+) -> list[torch.Tensor]:
+    """a e4m3 [M, Ktot], b e4m3 [N, Ktot] (token-contiguous rows), sa fp32 [Ktot / 128, M], sb fp32 [Ktot / 128, N];
+    counts[e] tokens of expert e, each a multiple of 128 (padded with zero tokens), back to back from column 0.
+    Returns per expert the fp32 [M, N] ``a_e @ b_e^T`` over its token columns, written into ``out`` (allocated
+    when None), or added to it with ``accumulate`` (a gradient buffer such as Megatron's ``main_grad``). An expert
+    without tokens gets zeros, or is left as it was when accumulating."""
+    ops.load()
+    if out is None:
+        if accumulate:
+            raise ValueError("fp8_wgrad_gemm: accumulate=True needs the buffers to add into (out=)")
+        M = a.shape[0] if a.dim() == 2 else 0
+        N = b.shape[0] if b.dim() == 2 else 0
+        out = [torch.empty((M, N), dtype=torch.float32, device=a.device) for _ in counts]
+    err = errors.new_record(a.device)
+    torch.ops.mok.fp8_wgrad_gemm(
+        a, sa, b, sb, [int(c) for c in counts], list(out), err, bool(accumulate), float(timeout_ms)
+    )
+    _check_lazily(err, len(out), timeout_ms, "fp8_wgrad_gemm", "MoK fp8 wgrad GEMM")
+    return list(out)
+
+
+def _check_lazily(err: torch.Tensor, experts: int, timeout_ms: float, op: str, kernel: str) -> None:
+    """A unit's error record (an internal pipeline stall) read lazily, like the megakernels'."""
+    message = lambda e: errors.format_error(  # noqa: E731
+        e, 1, experts, timeout_ms, kernel=kernel, phases={6: "internal smem pipeline"}
+    )
+    check = errors.capture_check("lazy", op)  # no event query while a CUDA graph captures
+    errors.after_launch(err, None, check, message)  # launched on the current stream

@@ -51,6 +51,10 @@ _DEF.define(
     "fp8_grouped_gemm(Tensor xq, Tensor xs, Tensor[] wq, Tensor[] ws, int[] counts, Tensor(a!) out, "
     "Tensor(b!) err, float timeout_ms) -> ()"
 )
+_DEF.define(
+    "fp8_wgrad_gemm(Tensor a, Tensor sa, Tensor b, Tensor sb, int[] counts, Tensor(a!)[] out, Tensor(b!) err, "
+    "bool accumulate, float timeout_ms) -> ()"
+)
 _DEF.define("mxfp8_quantize_rows(Tensor x, int scale_layout) -> (Tensor, Tensor)")
 _DEF.define("topk_from_routing_map(Tensor routing_map, Tensor probs, int topk) -> (Tensor, Tensor)")
 _DEF.define("sm100_mxfp8_grouped_gemm(Tensor[] a, Tensor[] sfa, Tensor[] b, Tensor[] sfb, Tensor(a!)[] out) -> ()")
@@ -83,6 +87,11 @@ def _fp8_quantize_weight_fake(w):
 
 @torch.library.register_fake("mok::fp8_grouped_gemm")
 def _fp8_grouped_gemm_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.register_fake("mok::fp8_wgrad_gemm")
+def _fp8_wgrad_gemm_fake(*args, **kwargs) -> None:
     return None
 
 

@@ -36,6 +36,7 @@ def compiled(tmp_path_factory):
 def test_kernels_compile_for_sm90a(compiled):
     fwd, bwd = compiled["forward"][0], compiled["backward"][0]
     assert b"mok_forward_kernel" in fwd and b"mok_fp8_gemm_kernel" in fwd  # the megakernel and the FP8 GEMM unit
+    assert b"mok_fp8_wgrad_kernel" in fwd  # the FP8 weight-gradient GEMM unit
     assert b"mok_backward_kernel" in bwd and b"mok_wgrad_kernel" in bwd
 
 
@@ -72,6 +73,12 @@ def test_lean_forward_instances(compiled):
             assert f"mok_forward_kernelILb{fp8}ELi{feat}E" in log, f"forward instance <{fp8}, {feat}> not built"
     s_lean = _spill_stores(log, "_ZN3mok18mok_forward_kernelILb1ELi0EEEvNS_6ParamsE")
     assert s_lean <= 128, f"lean FP8 instance spills {s_lean} bytes"
+
+
+def test_fp8_wgrad_unit_does_not_spill(compiled):
+    """The FP8 wgrad unit holds 64 accumulators, a 64-register product and 34 scales per consumer thread: a spill
+    in its K loop would put local-memory traffic between every block's MMAs and its promotion."""
+    assert _spill_stores(compiled["forward"][1], "_ZN3mok3fp820mok_fp8_wgrad_kernelENS0_13F8WgradParamsE") == 0
 
 
 @pytest.mark.parametrize("which", ["forward", "forward_object"])

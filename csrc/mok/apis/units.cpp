@@ -1,5 +1,5 @@
 // The unit kernels as PyTorch operators (schemas: megatron_mok/kernel/ops.py): the FP8 weight quantiser (once per
-// optimizer step), the FP8 block-scaled grouped GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
+// optimizer step), the FP8 block-scaled grouped GEMM and weight-gradient GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
 // alone by their tests and benchmarks), and the routing conversion in front of every layer call.
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -83,6 +83,56 @@ void fp8_grouped_gemm(const at::Tensor& xq, const at::Tensor& xs, at::TensorList
   a.out = ptr(out);
   a.timeout_ms = timeout_ms;
   launch_with_workspace(kOp, a, &mok_host::fp8_gemm_workspace_bytes, &mok_host::fp8_gemm_launch, err, dev);
+}
+
+// out[e] (+)= a_e b_e^T over expert e's token columns (gemm/fp8_wgrad_gemm.cuh): a / b e4m3 token-contiguous, one
+// fp32 scale per 128 tokens of each row, each expert's tokens padded to a multiple of 128
+void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor& b, const at::Tensor& sb,
+                    at::IntArrayRef counts, at::TensorList out, const at::Tensor& err, bool accumulate,
+                    double timeout_ms) {
+  constexpr const char* kOp = "mok.fp8_wgrad_gemm";
+  TORCH_CHECK_VALUE(a.defined() && a.is_cuda() && a.dim() == 2, kOp, ": a must be a 2-D CUDA tensor, got ",
+                    a.defined() ? describe(a) : "nothing");
+  TORCH_CHECK_VALUE(b.defined() && b.dim() == 2, kOp, ": b must be a 2-D tensor, got ",
+                    b.defined() ? describe(b) : "nothing");
+  const at::Device dev = a.device();
+  const int64_t M = a.size(0), ktot = a.size(1), N = b.size(0), L = (int64_t)out.size();
+  TORCH_CHECK_VALUE(M % 128 == 0 && M > 0 && N % 128 == 0 && N > 0, kOp, ": a ", describe(a), " and b ", describe(b),
+                    " need row counts that are positive multiples of 128");
+  TORCH_CHECK_VALUE(ktot % 128 == 0, kOp, ": ", ktot, " token columns must be a multiple of 128");
+  TORCH_CHECK_VALUE(L >= 1 && (int64_t)counts.size() == L, kOp, ": out and counts need one entry per expert, got ",
+                    out.size(), " and ", counts.size());
+  check_shape(kOp, "a", a, at::kFloat8_e4m3fn, {M, ktot}, dev);
+  check_shape(kOp, "b", b, at::kFloat8_e4m3fn, {N, ktot}, dev);
+  check_shape(kOp, "sa", sa, at::kFloat, {ktot / 128, M}, dev);
+  check_shape(kOp, "sb", sb, at::kFloat, {ktot / 128, N}, dev);
+  check_shape(kOp, "err", err, at::kInt, {16}, dev);
+  for (const at::Tensor* t : {&a, &b, &sa, &sb}) check_contiguous(kOp, "a / b / sa / sb", *t);
+  std::vector<unsigned long long> outp((size_t)L);
+  for (int64_t e = 0; e < L; ++e) {
+    const std::string s = "out[" + std::to_string(e) + "]";
+    check_shape(kOp, s, out[e], at::kFloat, {M, N}, dev);
+    check_contiguous(kOp, s, out[e]);
+    outp[e] = ptr(out[e]);
+  }
+  const c10::cuda::CUDAGuard guard(dev);
+  load_kernels_once(dev.index());
+  const std::vector<long long> cnt(counts.begin(), counts.end());
+  mok_host::MokFp8WgradArgs args{};
+  args.L = (int)L;
+  args.M = (int)M;
+  args.N = (int)N;
+  args.device = dev.index();
+  args.ktot = ktot;
+  args.counts = cnt.data();
+  args.a = ptr(a);
+  args.sa = ptr(sa);
+  args.b = ptr(b);
+  args.sb = ptr(sb);
+  args.out = outp.data();
+  args.accumulate = accumulate ? 1 : 0;
+  args.timeout_ms = timeout_ms;
+  launch_with_workspace(kOp, args, &mok_host::fp8_wgrad_workspace_bytes, &mok_host::fp8_wgrad_launch, err, dev);
 }
 
 // scale_layout 0: row-major UE8M0 [M, H / 32]; 1: the sm_100 MMA's scale-factor layout as flat bytes
@@ -183,6 +233,7 @@ TORCH_LIBRARY_IMPL(mok, Autograd, m) { m.impl("topk_from_routing_map", &topk_fro
 TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_grouped_gemm", &fp8_grouped_gemm);
+  m.impl("fp8_wgrad_gemm", &fp8_wgrad_gemm);
   m.impl("mxfp8_quantize_rows", &mxfp8_quantize_rows);
   m.impl("topk_from_routing_map", &topk_from_routing_map);
 }

@@ -185,6 +185,23 @@ struct MokFp8GemmArgs {
   double timeout_ms;
 };
 
+// The FP8 K-grouped weight-gradient GEMM unit (gemm/fp8_wgrad_gemm.cuh): out_e (+)= a_e b_e^T over expert e's tokens.
+struct MokFp8WgradArgs {
+  int L, M, N, device;
+  long long ktot;                     // token columns of a / b (a multiple of 128)
+  const long long* counts;            // host [L] tokens per expert (multiples of 128), back to back from column 0
+  unsigned long long a;               // device e4m3 [M, ktot]
+  unsigned long long sa;              // device fp32 [ktot / 128, M]
+  unsigned long long b;               // device e4m3 [N, ktot]
+  unsigned long long sb;              // device fp32 [ktot / 128, N]
+  const unsigned long long* out;      // host [L] device fp32 [M, N]
+  int accumulate;                     // 1: out += a_e b_e^T, 0: out = a_e b_e^T
+  unsigned long long workspace;
+  unsigned long long workspace_bytes;
+  unsigned long long err;             // device int32[16]
+  double timeout_ms;
+};
+
 // Every kernel of the forward / backward library loaded on `device` (lazy loading at a first launch can deadlock
 // launches that wait for each other: host/persistent_launch.h, load_kernels). Called once per device before any launch.
 int load_forward_kernels(int device, char* errbuf, int errlen);
@@ -198,6 +215,8 @@ long long wgrad_workspace_bytes(const MokWgradArgs* a, char* errbuf, int errlen)
 int wgrad_launch(const MokWgradArgs* a, cudaStream_t stream, char* errbuf, int errlen);
 long long fp8_gemm_workspace_bytes(const MokFp8GemmArgs* a, char* errbuf, int errlen);
 int fp8_gemm_launch(const MokFp8GemmArgs* a, cudaStream_t stream, char* errbuf, int errlen);
+long long fp8_wgrad_workspace_bytes(const MokFp8WgradArgs* a, char* errbuf, int errlen);
+int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf, int errlen);
 // bf16 [N, K] (row stride ld) -> e4m3 q [N, K] and fp32 128 x 128 block scales s [N/128, K/128]
 int fp8_quantize_weight(const void* w, long long ld, int N, int K, void* q, float* s, int device, cudaStream_t stream,
                         char* errbuf, int errlen);

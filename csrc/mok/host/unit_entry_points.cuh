@@ -1,8 +1,9 @@
 // Launchers of the forward library's unit kernels (included once, by host/forward.cu): the FP8
-// block-scaled grouped GEMM (gemm/fp8_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh), the
+// block-scaled grouped GEMM (gemm/fp8_gemm.cuh) and weight-gradient GEMM (gemm/fp8_wgrad_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh), the
 // MXFP8 row quantiser (quant/mxfp8_quant.cuh) and the routing conversion (routing/topk_from_map.cuh). Host code; every CUDA call checked.
 #pragma once
 #include "gemm/fp8_gemm.cuh"
+#include "gemm/fp8_wgrad_gemm.cuh"
 #include "host/host_launch.h"
 #include "host/launch_args.h"
 #include "quant/fp8_weight_quant.cuh"
@@ -14,6 +15,27 @@
 // =================================================================================================
 
 namespace {
+
+// The Params fields a unit kernel reads (mbar_wait's timeout and error record): one rank, no peers.
+mok::Params unit_base_params(int L, double timeout_ms, unsigned long long err) {
+  mok::Params p{};
+  p.R = 1;
+  p.L = L;
+  p.nparts = 1;
+  p.stall_rank = p.stall_slot = -1;
+  p.timeout_ns = (unsigned long long)(timeout_ms > 0 ? timeout_ms * 1e6 : 1e10);
+  p.err = reinterpret_cast<int*>(err);
+  return p;
+}
+
+// A kernel's dynamic shared-memory limit raised once per device (cached[64]: the size set, by device).
+template <class Kernel>
+cudaError_t max_dynamic_smem_once(Kernel kernel, int bytes, int device, int* cached) {
+  if (cached[device & 63] == bytes) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) cached[device & 63] = bytes;
+  return e;
+}
 
 struct F8Ws {
   size_t tmaps, ws_ptrs, mtiles, total;
@@ -91,12 +113,7 @@ int fp8_gemm_launch(const MokFp8GemmArgs* a, cudaStream_t stream, char* errbuf, 
   }
   uint8_t* dev = reinterpret_cast<uint8_t*>(a->workspace);
   mok::fp8::F8GemmParams P{};
-  P.base.R = 1;
-  P.base.L = L;
-  P.base.nparts = 1;
-  P.base.stall_rank = P.base.stall_slot = -1;
-  P.base.timeout_ns = (unsigned long long)(a->timeout_ms > 0 ? a->timeout_ms * 1e6 : 1e10);
-  P.base.err = reinterpret_cast<int*>(a->err);
+  P.base = unit_base_params(L, a->timeout_ms, a->err);
   P.N = N;
   P.K = K;
   P.n_tiles = N / mok::fp8::kF8BN;
@@ -108,16 +125,122 @@ int fp8_gemm_launch(const MokFp8GemmArgs* a, cudaStream_t stream, char* errbuf, 
   P.xs = reinterpret_cast<const float*>(a->xs);
   P.ws = reinterpret_cast<const float* const*>(dev + ws.ws_ptrs);
   P.out = reinterpret_cast<__nv_bfloat16*>(a->out);
-  const int smem = mok::fp8::fp8_gemm_smem_bytes() + 1024;
+  const int smem = mok::fp8::fp8_gemm_smem_bytes() + 1024;  // + the 1024-B alignment of the stages
   static int cached_smem[64] = {0};
-  if (cached_smem[a->device & 63] != smem) {
-    MOK_CUDA_CHECK(
-        cudaFuncSetAttribute(mok::fp8::mok_fp8_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cached_smem[a->device & 63] = smem;
-  }
+  MOK_CUDA_CHECK(max_dynamic_smem_once(mok::fp8::mok_fp8_gemm_kernel, smem, a->device, cached_smem));
   MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
   const unsigned grid = (unsigned)std::min<long long>(num_sms, tiles);
   mok::fp8::mok_fp8_gemm_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // namespace mok_host
+
+
+// =================================================================================================
+// FP8 K-grouped weight-gradient GEMM (gemm/fp8_wgrad_gemm.cuh)
+// =================================================================================================
+
+namespace {
+
+struct W8Ws {
+  size_t tmaps, out_ptrs, experts, total;
+  int listed;  // experts with tiles: every one when storing, those with tokens when accumulating
+};
+
+bool fp8_wgrad_validate(const MokFp8WgradArgs* a, char* eb, int el) {
+  if (a->L < 1 || a->L > MOK_MAX_LOCAL_EXPERTS) return !write_err(eb, el, "L=%d out of range", a->L);
+  if (a->M < 128 || a->M % 128) return !write_err(eb, el, "M=%d must be a positive multiple of 128", a->M);
+  if (a->N < 128 || a->N % 128) return !write_err(eb, el, "N=%d must be a positive multiple of 128", a->N);
+  if (a->ktot < 0 || a->ktot % 128 || a->ktot >= (1LL << 31))
+    return !write_err(eb, el, "%lld token columns: must be a multiple of 128 below 2^31", a->ktot);
+  long long sum = 0;
+  for (int e = 0; e < a->L; ++e) {
+    if (a->counts[e] < 0 || a->counts[e] % 128)
+      return !write_err(eb, el, "counts[%d] = %lld must be a multiple of 128 (each expert's tokens padded to 128)", e,
+                        a->counts[e]);
+    sum += a->counts[e];
+  }
+  if (sum > a->ktot) return !write_err(eb, el, "expert tokens sum to %lld > %lld token columns", sum, a->ktot);
+  const long long tiles = (long long)a->L * (a->M / 128) * (a->N / 128);
+  if (tiles >= (1LL << 31)) return !write_err(eb, el, "fp8 wgrad: %lld tiles", tiles);
+  return true;
+}
+
+W8Ws fp8_wgrad_plan(const MokFp8WgradArgs* a) {
+  W8Ws w{};
+  for (int e = 0; e < a->L; ++e) w.listed += (a->counts[e] > 0 || !a->accumulate) ? 1 : 0;
+  size_t off = 0;
+  auto take = [&](size_t bytes) { size_t o = off; off = align_up(off + bytes, 128); return o; };
+  w.tmaps = take(2 * sizeof(CUtensorMap));
+  w.out_ptrs = take((size_t)a->L * sizeof(void*));
+  w.experts = take((size_t)std::max(w.listed, 1) * sizeof(int4));
+  w.total = off;
+  return w;
+}
+
+}  // namespace
+
+namespace mok_host {
+
+long long fp8_wgrad_workspace_bytes(const MokFp8WgradArgs* a, char* errbuf, int errlen) {
+  if (!fp8_wgrad_validate(a, errbuf, errlen)) return -1;
+  return (long long)fp8_wgrad_plan(a).total;
+}
+
+int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf, int errlen) {
+  if (!fp8_wgrad_validate(a, errbuf, errlen)) return 1;
+  MOK_CUDA_CHECK(cudaSetDevice(a->device));
+  int num_sms = 0;
+  MOK_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a->device));
+  const W8Ws ws = fp8_wgrad_plan(a);
+  if (a->workspace_bytes < ws.total)
+    return write_err(errbuf, errlen, "fp8 wgrad workspace too small: %llu < %zu", a->workspace_bytes, ws.total);
+  if (ws.listed == 0) return 0;  // accumulating nothing: no expert has tokens
+  const bool reads = a->ktot > 0;
+  if ((reads && (!a->a || !a->b || !a->sa || !a->sb)) || (a->sa | a->sb) % 16)
+    return write_err(errbuf, errlen, "fp8 wgrad: operand or scale pointer null or not 16-byte aligned");
+  StagingLease stg;
+  if (const char* msg = stg.acquire(ws.total, stream)) return write_err(errbuf, errlen, "%s", msg);
+  uint8_t* host = stg->host;
+  memset(host, 0, ws.total);
+  CUtensorMap* maps = reinterpret_cast<CUtensorMap*>(host + ws.tmaps);
+  if (reads && (!encode_2d_u8(&maps[0], reinterpret_cast<void*>(a->a), a->ktot, a->M, a->ktot, mok::fp8::kF8BK,
+                              mok::fp8::kF8BM, errbuf, errlen, "fp8 wgrad a") ||
+                !encode_2d_u8(&maps[1], reinterpret_cast<void*>(a->b), a->ktot, a->N, a->ktot, mok::fp8::kF8BK,
+                              mok::fp8::kF8BN, errbuf, errlen, "fp8 wgrad b")))
+    return 1;
+  float** outp = reinterpret_cast<float**>(host + ws.out_ptrs);
+  int4* ex = reinterpret_cast<int4*>(host + ws.experts);
+  long long col = 0;
+  int i = 0;
+  for (int e = 0; e < a->L; ++e) {
+    if (!a->out[e] || a->out[e] % 16) return write_err(errbuf, errlen, "fp8 wgrad: out[%d] null or not 16-byte aligned", e);
+    outp[e] = reinterpret_cast<float*>(a->out[e]);
+    if (a->counts[e] > 0 || !a->accumulate) ex[i++] = make_int4(e, (int)(col / 128), (int)(a->counts[e] / 128), 0);
+    col += a->counts[e];
+  }
+  uint8_t* dev = reinterpret_cast<uint8_t*>(a->workspace);
+  mok::fp8::F8WgradParams P{};
+  P.base = unit_base_params(a->L, a->timeout_ms, a->err);
+  P.M = a->M;
+  P.N = a->N;
+  P.m_tiles = a->M / mok::fp8::kF8BM;
+  P.n_tiles = a->N / mok::fp8::kF8BN;
+  P.num_tiles = ws.listed * P.m_tiles * P.n_tiles;  // validated below 2^31 for all L experts
+  P.experts = reinterpret_cast<const int4*>(dev + ws.experts);
+  P.tm = reinterpret_cast<const CUtensorMap*>(dev + ws.tmaps);
+  P.sa = reinterpret_cast<const float*>(a->sa);
+  P.sb = reinterpret_cast<const float*>(a->sb);
+  P.out = reinterpret_cast<float* const*>(dev + ws.out_ptrs);
+  P.accumulate = a->accumulate ? 1 : 0;
+  const int smem = mok::fp8::fp8_wgrad_smem_bytes() + 1024;  // + the 1024-B alignment of the stages
+  static int cached_smem[64] = {0};
+  MOK_CUDA_CHECK(max_dynamic_smem_once(mok::fp8::mok_fp8_wgrad_kernel, smem, a->device, cached_smem));
+  MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
+  const unsigned grid = (unsigned)std::min(num_sms, P.num_tiles);
+  mok::fp8::mok_fp8_wgrad_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }

@@ -1,0 +1,165 @@
+// FP8 (e4m3) K-grouped GEMM of the weight gradients, DeepSeek-V3's recipe (one scale per 128 tokens of every row):
+//   out_e[m, n] (+)= sum_kb ( sum_{k in kb} a[m, k] * b[n, k] ) * sa[kb, m] * sb[kb, n]
+// over the token blocks kb of expert e. a [M, Ktot] and b [N, Ktot] are token-contiguous (the reduction runs along
+// the tokens, and FP8 WGMMA reads K-major operands only); each expert's tokens are padded to a multiple of 128 and
+// laid back to back from column 0; sa [Ktot / 128, M], sb [Ktot / 128, N]; fp32 output, stored or added into
+// (main_grad). megatron_mok/fp8.py fp8_wgrad_grouped is the oracle.
+//
+// Unlike the forward's, the scale factor differs along both dimensions of the output tile (a row scale times a
+// column scale), so a thread's 64 accumulators need 2 row and 32 column scales per K block: they travel with the
+// stage (two 512-B vectors by bulk copy on the stage's barrier) and are read with LDS before the block's MMAs.
+// Per K block a consumer warpgroup issues four m64n128k32 into a fresh product, drains, releases the stage (each
+// warp on its own: the empty barrier counts 8 warps) and promotes: one FMUL (row x column scale) and one FFMA per
+// element. The promotion overlaps the other warpgroup's MMAs. 128 x 128 tiles, 1 TMA producer thread + 2 consumer
+// warpgroups, kW8Stages-deep ring, tiles assigned statically as in the forward unit (gemm/fp8_gemm.cuh).
+// tests/gpu/test_fp8_wgrad_gemm.py checks it against the oracle.
+#pragma once
+#include "common.cuh"
+#include "gemm/fp8_gemm.cuh"
+#include "gemm/gemm_sm90.cuh"
+#include "comm/timeout.cuh"
+
+namespace mok {
+namespace fp8 {
+
+constexpr int kW8Stages = 6;
+constexpr int kW8ScaleBytes = 128 * 4;  // one K block's scales of a tile's 128 rows (or columns)
+constexpr int kW8StageBytes = kF8ATile + kF8BTile + 2 * kW8ScaleBytes;  // 33 KB: keeps the tiles 1024-B aligned
+static_assert(kW8StageBytes % 1024 == 0, "SW128 tiles need 1024-B aligned stages");
+
+struct F8WgradParams {
+  Params base;                // timeout / error fields (mbar_wait)
+  int m_tiles, n_tiles;       // M / 128, N / 128
+  int M, N;                   // output rows and columns (the scale vectors' lengths)
+  int num_tiles;              // experts listed x m_tiles x n_tiles
+  const int4* experts;        // [listed] {expert, first K block, K blocks, 0}
+  const CUtensorMap* tm;      // [0]: a [M, Ktot], [1]: b [N, Ktot]  (uint8, [128 x 128] boxes, SW128)
+  const float* sa;            // [Ktot / 128, M]
+  const float* sb;            // [Ktot / 128, N]
+  float* const* out;          // [L] -> [M, N] fp32
+  int accumulate;             // 1: out += product, 0: out = product
+};
+
+__host__ __device__ constexpr int fp8_wgrad_smem_bytes() { return kW8Stages * kW8StageBytes + 2 * kW8Stages * 8 + 64; }
+
+// tile t of the static list: its expert entry, m-tile and n-tile (n fastest)
+__device__ __forceinline__ int4 wgrad_tile(const F8WgradParams& P, int t, int& mt, int& nt) {
+  const int per_expert = P.m_tiles * P.n_tiles;
+  const int r = t % per_expert;
+  mt = r / P.n_tiles;
+  nt = r % P.n_tiles;
+  return P.experts[t / per_expert];
+}
+
+__device__ void fp8_wgrad_producer(const F8WgradParams& P, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+  int st = 0;
+  uint32_t ph = 0;
+  for (int t = blockIdx.x; t < P.num_tiles; t += gridDim.x) {
+    int mt, nt;
+    const int4 ex = wgrad_tile(P, t, mt, nt);
+    for (int i = 0; i < ex.z; ++i) {
+      const int kb = ex.y + i;
+      mbar_wait(P.base, &empty[st], ph ^ 1u, -1, 2);
+      uint8_t* s = stages + st * kW8StageBytes;
+      Barrier::arrive_and_expect_tx(&full[st], (uint32_t)kW8StageBytes);
+      tma_load_2d(P.tm, &full[st], s, kb * kF8BK, mt * kF8BM);
+      tma_load_2d(P.tm + 1, &full[st], s + kF8ATile, kb * kF8BK, nt * kF8BN);
+      cute::SM90_BULK_COPY_G2S::copy(P.sa + (long long)kb * P.M + mt * kF8BM, &full[st], s + kF8ATile + kF8BTile,
+                                     kW8ScaleBytes);
+      cute::SM90_BULK_COPY_G2S::copy(P.sb + (long long)kb * P.N + nt * kF8BN, &full[st],
+                                     s + kF8ATile + kF8BTile + kW8ScaleBytes, kW8ScaleBytes);
+      if (++st == kW8Stages) { st = 0; ph ^= 1u; }
+    }
+  }
+}
+
+__device__ void fp8_wgrad_consumer(const F8WgradParams& P, uint8_t* stages, uint64_t* full, uint64_t* empty, int wgc) {
+  const int lt = threadIdx.x & 127;
+  const int warp_in_wg = lt >> 5, lane = lt & 31;
+  const int r0 = wgc * 64 + warp_in_wg * 16 + (lane >> 2);  // this thread's two tile rows: r0, r0 + 8
+  const int c0 = 2 * (lane & 3);                            // and its columns: 8 j + c0 + {0, 1}, j < 16
+  float acc[64], prod[64];
+  int st = 0;
+  uint32_t ph = 0;
+  for (int t = blockIdx.x; t < P.num_tiles; t += gridDim.x) {
+    int mt, nt;
+    const int4 ex = wgrad_tile(P, t, mt, nt);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < ex.z; ++i) {
+      mbar_wait(P.base, &full[st], ph, -1, 4);
+      const uint8_t* s = stages + st * kW8StageBytes;
+      // this block's scales, read before the MMAs so their latency hides under them
+      const float* ssa = reinterpret_cast<const float*>(s + kF8ATile + kF8BTile);
+      const float* ssb = ssa + 128;
+      const float sr0 = ssa[r0], sr1 = ssa[r0 + 8];
+      float2 sc[16];
+#pragma unroll
+      for (int j = 0; j < 16; ++j) sc[j] = *reinterpret_cast<const float2*>(ssb + 8 * j + c0);
+      const uint64_t da = make_smem_desc_sw128(s + wgc * (64 * kF8BK));
+      const uint64_t db = make_smem_desc_sw128(s + kF8ATile);
+      fence_acc64_f8(prod);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kF8BK / 32; ++kk)  // k32 step = 32 B = 2 descriptor units
+        wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), prod, kk > 0);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_acc64_f8(prod);
+      // the stage (tiles and scales) is read: free it before promoting, so the producer refills it sooner
+      __syncwarp();  // every lane's scale reads ordered before lane 0's release
+      if (lane == 0) Barrier::arrive(&empty[st]);
+      if (++st == kW8Stages) { st = 0; ph ^= 1u; }
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(prod[4 * j + 0], sr0 * sc[j].x, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(prod[4 * j + 1], sr0 * sc[j].y, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(prod[4 * j + 2], sr1 * sc[j].x, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(prod[4 * j + 3], sr1 * sc[j].y, acc[4 * j + 3]);
+      }
+    }
+    // epilogue: fp32 pairs into the expert's gradient (every tile row is a real row: M and N are multiples of 128)
+    float* out = P.out[ex.x];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* row = out + (long long)(mt * kF8BM + r0 + 8 * h) * P.N + nt * kF8BN + c0;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        float2* p = reinterpret_cast<float2*>(row + 8 * j);
+        if (P.accumulate) {
+          const float2 o = *p;
+          v.x += o.x;
+          v.y += o.y;
+        }
+        *p = v;
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) mok_fp8_wgrad_kernel(const __grid_constant__ F8WgradParams P) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kW8Stages * kW8StageBytes);
+  uint64_t* empty = full + kW8Stages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kW8Stages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], 8);  // every consumer warp releases on its own
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) fp8_wgrad_producer(P, smem, full, empty);
+  } else {
+    setmaxnreg_inc<232>();
+    fp8_wgrad_consumer(P, smem, full, empty, wg - 1);
+  }
+}
+
+}  // namespace fp8
+}  // namespace mok

@@ -1,0 +1,114 @@
+"""GPU tests of the FP8 weight-gradient GEMM unit (csrc/mok/gemm/fp8_wgrad_gemm.cuh) against its oracle
+megatron_mok.fp8.fp8_wgrad_grouped (same 128-token block scales, fp32 sums of each block's exact e4m3 products)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gemm(kernel):  # kernel (conftest.py): skips without a GPU or the MoK library
+    from megatron_mok.kernel import gemm
+
+    return gemm
+
+
+def _problem(counts, M, N, seed, extra_blocks=0):
+    """Token rows of two operands (dH-like [T, M], x-like [T, N]) with rows of different scale, their token-major
+    e4m3 operands, and extra_blocks x 128 trailing token columns of noise no expert owns (must not be read)."""
+    from megatron_mok import fp8
+
+    g = torch.Generator().manual_seed(seed)
+    T = sum(counts)
+    ra = torch.randn(T, M, generator=g) * torch.rand(T, 1, generator=g) * 4
+    rb = torch.randn(T, N, generator=g) * torch.rand(1, N, generator=g) * 2
+    a, sa, padded = fp8.token_major_operand(ra, counts)
+    b, sb, _ = fp8.token_major_operand(rb, counts)
+    if extra_blocks:
+        na, nsa, _ = fp8.token_major_operand(
+            torch.randn(128 * extra_blocks, M, generator=g) * 100, [128 * extra_blocks]
+        )
+        nb, nsb, _ = fp8.token_major_operand(
+            torch.randn(128 * extra_blocks, N, generator=g) * 100, [128 * extra_blocks]
+        )
+        a, sa = torch.cat([a, na], 1).contiguous(), torch.cat([sa, nsa]).contiguous()
+        b, sb = torch.cat([b, nb], 1).contiguous(), torch.cat([sb, nsb]).contiguous()
+    dev = torch.device("cuda")
+    return ra, rb, padded, a, sa, b, sb, [t.to(dev) for t in (a, sa, b, sb)]
+
+
+def _assert_matches(got, want, exact=None):
+    # the tensor cores sum a block's products in their own order and precision; the promotion adds in fp32
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+    if exact is not None:  # and the whole recipe against the unquantised fp32 product
+        assert (got - exact).norm() <= 0.08 * exact.norm(), "fp8 wgrad error vs fp32 larger than the recipe gives"
+
+
+@pytest.mark.parametrize(
+    "counts,M,N,extra",
+    [
+        ([200, 0, 384, 77], 256, 384, 1),  # an expert without tokens, padded blocks, unowned trailing columns
+        ([1], 128, 128, 0),  # one token: one tile, one K block
+        ([2048], 256, 256, 0),  # 16 K blocks through the 6-stage ring
+        ([128, 250], 1536, 1536, 0),  # 288 tiles > 132 SMs: several tiles per CTA
+    ],
+)
+def test_fp8_wgrad_gemm_matches_the_oracle(gemm, counts, M, N, extra):
+    from megatron_mok import fp8
+
+    ra, rb, padded, a, sa, b, sb, dev_ops = _problem(counts, M, N, seed=M + N + len(counts), extra_blocks=extra)
+    guard = [torch.full((M, N), 3.0, device="cuda") for _ in counts]
+    out = gemm.fp8_wgrad_gemm(*dev_ops, padded, out=guard)
+    torch.cuda.synchronize()
+    assert all(o is g for o, g in zip(out, guard)), "not written into the buffers given"
+    want = fp8.fp8_wgrad_grouped(a, sa, b, sb, padded)
+    start = 0
+    for e, c in enumerate(counts):
+        got = out[e].cpu()
+        if c == 0:
+            assert not got.any(), "an expert without tokens must get a zero gradient"
+        else:
+            _assert_matches(got, want[e], ra[start : start + c].t() @ rb[start : start + c])
+        start += c
+
+
+def test_fp8_wgrad_gemm_accumulates_into_the_buffers_and_leaves_tokenless_experts(gemm):
+    from megatron_mok import fp8
+
+    counts = [300, 0, 128]
+    _, _, padded, a, sa, b, sb, dev_ops = _problem(counts, 256, 128, seed=11)
+    g = torch.Generator().manual_seed(12)
+    before = [torch.randn(256, 128, generator=g) for _ in counts]
+    bufs = [t.cuda() for t in before]
+    gemm.fp8_wgrad_gemm(*dev_ops, padded, out=bufs, accumulate=True)
+    torch.cuda.synchronize()
+    want = fp8.fp8_wgrad_grouped(a, sa, b, sb, padded)
+    assert torch.equal(bufs[1].cpu(), before[1]), "accumulating touched an expert without tokens"
+    for e in (0, 2):
+        _assert_matches(bufs[e].cpu(), before[e] + want[e])
+    # and all experts without tokens: nothing to launch, nothing changes
+    gemm.fp8_wgrad_gemm(*dev_ops, [0, 0, 0], out=bufs, accumulate=True)
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[1].cpu(), before[1])
+
+
+def test_fp8_wgrad_gemm_bad_inputs_are_clear_errors(gemm):
+    _, _, padded, *_, (a, sa, b, sb) = _problem([128, 128], 128, 256, seed=3)
+    with pytest.raises(ValueError, match="(?i)float8_e4m3fn"):
+        gemm.fp8_wgrad_gemm(a.float(), sa, b, sb, padded)
+    with pytest.raises(ValueError, match="sa must be"):
+        gemm.fp8_wgrad_gemm(a, sa[:1].contiguous(), b, sb, padded)
+    with pytest.raises(ValueError, match=r"counts\[0\] = 100 must be a multiple of 128"):
+        gemm.fp8_wgrad_gemm(a, sa, b, sb, [100, 128])
+    with pytest.raises(ValueError, match="expert tokens sum to 384 > 256 token columns"):
+        gemm.fp8_wgrad_gemm(a, sa, b, sb, [128, 256])
+    with pytest.raises(ValueError, match="one entry per expert"):
+        gemm.fp8_wgrad_gemm(a, sa, b, sb, [128, 128], out=[torch.zeros(128, 256, device="cuda")])
+    with pytest.raises(ValueError, match="needs the buffers"):
+        gemm.fp8_wgrad_gemm(a, sa, b, sb, padded, accumulate=True)
+    with pytest.raises(ValueError, match=r"out\[1\] must be"):
+        outs = [torch.zeros(128, 256, device="cuda"), torch.zeros(128, 256, device="cuda").bfloat16()]
+        gemm.fp8_wgrad_gemm(a, sa, b, sb, padded, out=outs)
