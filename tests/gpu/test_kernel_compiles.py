@@ -78,7 +78,10 @@ def test_lean_forward_instances(compiled):
 def test_fp8_wgrad_unit_does_not_spill(compiled):
     """The FP8 wgrad unit holds 64 accumulators, a 64-register product and 34 scales per consumer thread: a spill
     in its K loop would put local-memory traffic between every block's MMAs and its promotion."""
-    assert _spill_stores(compiled["forward"][1], "_ZN3mok3fp820mok_fp8_wgrad_kernelENS0_13F8WgradParamsE") == 0
+    log = compiled["forward"][1]
+    assert _spill_stores(log, "_ZN3mok3fp820mok_fp8_wgrad_kernelENS0_13F8WgradParamsE") == 0
+    # a register-count change ptxas cannot apply leaves the consumers at the launch's 168 registers
+    assert not [ln for ln in log.splitlines() if "setmaxnreg" in ln and "warning" in ln.lower()]
 
 
 @pytest.mark.parametrize("which", ["forward", "forward_object"])

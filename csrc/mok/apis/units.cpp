@@ -107,7 +107,10 @@ void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor&
   check_shape(kOp, "sa", sa, at::kFloat, {ktot / 128, M}, dev);
   check_shape(kOp, "sb", sb, at::kFloat, {ktot / 128, N}, dev);
   check_shape(kOp, "err", err, at::kInt, {16}, dev);
-  for (const at::Tensor* t : {&a, &b, &sa, &sb}) check_contiguous(kOp, "a / b / sa / sb", *t);
+  check_contiguous(kOp, "a", a);
+  check_contiguous(kOp, "b", b);
+  check_contiguous(kOp, "sa", sa);
+  check_contiguous(kOp, "sb", sb);
   std::vector<unsigned long long> outp((size_t)L);
   for (int64_t e = 0; e < L; ++e) {
     const std::string s = "out[" + std::to_string(e) + "]";

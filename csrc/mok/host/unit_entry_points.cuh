@@ -216,7 +216,7 @@ int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf
   long long col = 0;
   int i = 0;
   for (int e = 0; e < a->L; ++e) {
-    if (!a->out[e] || a->out[e] % 16) return write_err(errbuf, errlen, "fp8 wgrad: out[%d] null or not 16-byte aligned", e);
+    if (!a->out[e] || a->out[e] % 8) return write_err(errbuf, errlen, "fp8 wgrad: out[%d] null or not 8-byte aligned", e);
     outp[e] = reinterpret_cast<float*>(a->out[e]);
     if (a->counts[e] > 0 || !a->accumulate) ex[i++] = make_int4(e, (int)(col / 128), (int)(a->counts[e] / 128), 0);
     col += a->counts[e];
