@@ -1,7 +1,7 @@
 """FP8 block-scaled grouped GEMM units vs bf16 on a Hopper GPU, the Kimi-K2 slice over 8 experts x 8192 rows: the
 forward unit's fc1 (K = H 7168 -> N = 2F 4096) and fc2 (K = F 2048 -> N = H 7168), and with ``--wgrad`` the
 weight-gradient unit's dW1 = dH^T x (2F 4096 x H 7168) and dW2 = gy^T act (H 7168 x F 2048), reduced over each
-expert's tokens.
+expert's tokens, and the time its operands take to quantise from layout-order rows.
 
 Prints ms, TFLOP/s, the ratio to per-expert bf16 cuBLAS GEMMs, to one dense bf16 GEMM of the same size and to
 one dense FP8 GEMM of the same size with the same block scales (cuBLAS, ``torch._scaled_mm``) in the same run, and
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fp8 import blockwise_mm, runs_here  # noqa: E402
 
 from megatron_mok import fp8  # noqa: E402
-from megatron_mok.kernel.gemm import fp8_grouped_gemm, fp8_wgrad_gemm  # noqa: E402
+from megatron_mok.kernel.gemm import fp8_grouped_gemm, fp8_wgrad_gemm, quantize_tokens  # noqa: E402
 from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
 
 
@@ -85,6 +85,11 @@ def bench_wgrad(name: str, M: int, N: int, L: int, T: int, iters: int) -> None:
     bf_ms, _ = cuda_times_ms(lambda: [ra[s].t() @ rb[s] for s in seg], iters, 2)
     dn_ms, _ = cuda_times_ms(lambda: ra.t() @ rb, iters, 2)  # one reduction over all L x T tokens: same FLOPs
 
+    tpe = torch.full((L,), T, dtype=torch.int32, device=dev)
+    qa_ms, _ = cuda_times_ms(lambda: quantize_tokens(ra, tpe), iters, 2)  # the operands from layout-order rows
+    qb_ms, _ = cuda_times_ms(lambda: quantize_tokens(rb, tpe), iters, 2)
+    quant = f" | quantising a {qa_ms:.3f} ms, b {qb_ms:.3f} ms ({3 * L * T * (M + N) / (qa_ms + qb_ms) / 1e9:.0f} GB/s)"
+
     def tf(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
 
@@ -96,7 +101,7 @@ def bench_wgrad(name: str, M: int, N: int, L: int, T: int, iters: int) -> None:
     print(
         f"{name} [{L} x {T} tokens, {M} x {N}]: fp8 {f8_ms:.3f} ms (min {f8_min:.3f}; accumulating {acc_ms:.3f}) "
         f"= {tf(f8_ms):.0f} TFLOP/s | bf16 per-expert mm {bf_ms:.3f} ms = {tf(bf_ms):.0f} -> fp8 {bf_ms / f8_ms:.2f}x | "
-        f"dense bf16 {dn_ms:.3f} ms = {tf(dn_ms):.0f}{bl} | fp8 rel err vs bf16 product {err:.2e}",
+        f"dense bf16 {dn_ms:.3f} ms = {tf(dn_ms):.0f}{bl}{quant} | fp8 rel err vs bf16 product {err:.2e}",
         flush=True,
     )
 

@@ -9,7 +9,7 @@ unit kernel and benchmark); the fused FP8 expert FFN will take them from the in-
 ``fp8_wgrad_gemm`` runs ``csrc/mok/gemm/fp8_wgrad_gemm.cuh`` (``mok::fp8_wgrad_gemm``): the weight gradients of
 DeepSeek-V3's FP8 recipe, ``out_e (+)= a_e @ b_e^T`` reduced over expert e's tokens, both operands e4m3 with one
 fp32 scale per 128 tokens of each row (``megatron_mok.fp8.fp8_wgrad_grouped`` is its oracle,
-``megatron_mok.fp8.token_major_operand`` builds its operands).
+``quantize_tokens`` builds its operands from layout-order rows, as ``megatron_mok.fp8.token_major_operand`` does).
 """
 
 from __future__ import annotations
@@ -75,6 +75,24 @@ def fp8_wgrad_gemm(
     )
     _check_lazily(err, len(out), timeout_ms, "fp8_wgrad_gemm", "MoK fp8 wgrad GEMM")
     return list(out)
+
+
+def token_major_capacity(rows: int, experts: int) -> int:
+    """Token columns that hold ``rows`` layout-order rows of ``experts`` experts, each padded to 128 tokens."""
+    return -(-(rows + 127 * experts) // BLOCK) * BLOCK
+
+
+def quantize_tokens(rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layout-order bf16 rows [T, F] (experts back to back from row 0, counts[e] rows each; a device int32 tensor
+    needs no host sync) -> ``fp8_wgrad_gemm``'s operand: e4m3 [F, Kcap] token-contiguous, each expert's tokens padded
+    with zeros to a multiple of 128 from column 0, and fp32 scales [Kcap / 128, F] (``csrc/mok/quant/
+    fp8_token_quant.cuh``; ``megatron_mok.fp8.token_major_operand`` computes the same numbers). Kcap is
+    ``token_major_capacity(T, len(counts))``; columns past the experts' are left unwritten."""
+    ops.load()
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor([int(c) for c in counts], dtype=torch.int32, device=rows.device)
+    kcap = token_major_capacity(rows.shape[0] if rows.dim() == 2 else 0, counts.numel())
+    return torch.ops.mok.fp8_quantize_tokens(rows, counts, kcap)
 
 
 def _check_lazily(err: torch.Tensor, experts: int, timeout_ms: float, op: str, kernel: str) -> None:

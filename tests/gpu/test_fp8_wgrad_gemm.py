@@ -113,3 +113,33 @@ def test_fp8_wgrad_gemm_bad_inputs_are_clear_errors(gemm):
     with pytest.raises(ValueError, match=r"out\[1\] must be"):
         outs = [torch.zeros(128, 256, device="cuda"), torch.zeros(128, 256, device="cuda").bfloat16()]
         gemm.fp8_wgrad_gemm(a, sa, b, sb, padded, out=outs)
+
+
+@pytest.mark.parametrize("counts,F", [([200, 0, 384, 77], 256), ([1], 128), ([0, 0], 128), ([1000, 24, 513], 384)])
+def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F):
+    """Layout-order rows (counts on the device) -> the unit's operand: the scales bit-identical to the oracle's, the
+    e4m3 values within one e4m3 step (the kernel's 1 / scale is a refined approximate reciprocal: an ulp apart at
+    most), zero padding in each expert's last block; and the unit on the quantiser's output matches the oracle."""
+    from megatron_mok import fp8
+
+    g = torch.Generator().manual_seed(F + len(counts))
+    rows = torch.randn(sum(counts) + 3, F, generator=g) * torch.logspace(-2, 2, F)  # 3 rows owned by no expert
+    q, s = gemm.quantize_tokens(rows.cuda().bfloat16(), torch.tensor(counts, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    assert q.shape == (F, gemm.token_major_capacity(rows.shape[0], len(counts))) and s.shape[1] == F
+    want_q, want_s, padded = fp8.token_major_operand(rows.bfloat16().float(), counts)  # the kernel reads bf16 rows
+    ktot = sum(padded)
+    assert torch.equal(s[: ktot // 128].cpu(), want_s), "scales differ from the oracle's"
+    if not ktot:
+        return
+    got, want = q[:, :ktot].cpu().float(), want_q.float()
+    diff = (got - want).abs()
+    assert float((diff > 0).float().mean()) < 1e-3, "more than rare one-ulp differences in the e4m3 values"
+    step = torch.clamp(want.abs() / 8, min=2.0**-9)  # one e4m3 step (subnormals: 2^-9)
+    assert bool((diff <= step).all()), "an e4m3 value off by more than one step"
+    b_rows = torch.randn(rows.shape[0], 128, generator=g)
+    b, sb = gemm.quantize_tokens(b_rows.cuda().bfloat16(), counts)  # counts from the host this time
+    out = gemm.fp8_wgrad_gemm(q, s, b, sb, padded)
+    wb, wsb, _ = fp8.token_major_operand(b_rows.bfloat16().float(), counts)
+    for got_e, want_e in zip(out, fp8.fp8_wgrad_grouped(want_q, want_s, wb, wsb, padded)):
+        _assert_matches(got_e.cpu(), want_e)

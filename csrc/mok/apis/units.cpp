@@ -1,5 +1,6 @@
 // The unit kernels as PyTorch operators (schemas: megatron_mok/kernel/ops.py): the FP8 weight quantiser (once per
-// optimizer step), the FP8 block-scaled grouped GEMM and weight-gradient GEMM and the MXFP8 row quantiser (units the megakernels fuse; run
+// optimizer step), the FP8 block-scaled grouped GEMM and weight-gradient GEMM with its token-block quantiser, and the
+// MXFP8 row quantiser (units the megakernels fuse; run
 // alone by their tests and benchmarks), and the routing conversion in front of every layer call.
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -138,6 +139,33 @@ void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor&
   launch_with_workspace(kOp, args, &mok_host::fp8_wgrad_workspace_bytes, &mok_host::fp8_wgrad_launch, err, dev);
 }
 
+// Layout-order bf16 rows [rows, F] of L experts (counts: device int32 [L]) -> the FP8 wgrad unit's operand: e4m3
+// [F, kcap] token-contiguous with each expert padded to 128 tokens, fp32 scales [kcap / 128, F]
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_tokens(const at::Tensor& rows, const at::Tensor& counts, int64_t kcap) {
+  constexpr const char* kOp = "mok.fp8_quantize_tokens";
+  TORCH_CHECK_VALUE(rows.defined() && rows.is_cuda(), kOp, ": rows must be a CUDA tensor");
+  check_tensor(kOp, "rows", rows, at::kBFloat16, 2, rows.device());
+  check_tma_rows(kOp, "rows", rows);
+  TORCH_CHECK_VALUE(counts.defined() && counts.dim() == 1, kOp, ": counts must be 1-D, one entry per expert");
+  check_tensor(kOp, "counts", counts, at::kInt, 1, rows.device());
+  check_contiguous(kOp, "counts", counts);
+  const int64_t F = rows.size(1);
+  TORCH_CHECK_VALUE(F % 128 == 0 && F > 0, kOp, ": rows ", describe(rows), " need a positive multiple of 128 columns");
+  TORCH_CHECK_VALUE(kcap >= 0 && kcap % 128 == 0, kOp, ": kcap=", kcap, " must be a multiple of 128");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  load_kernels_once(rows.device().index());
+  at::Tensor q = at::empty({F, kcap}, rows.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor sc = at::empty({kcap / 128, F}, rows.options().dtype(at::kFloat));
+  char eb[kErrLen] = {0};
+  check_launch(mok_host::fp8_quantize_tokens(rows.data_ptr(), rows.stride(0), rows.size(0), (int)F,
+                                             (int)counts.size(0), counts.data_ptr<int>(), q.data_ptr(),
+                                             sc.data_ptr<float>(), kcap, rows.device().index(),
+                                             c10::cuda::getCurrentCUDAStream(rows.device().index()).stream(), eb,
+                                             kErrLen),
+               kOp, eb);
+  return {q, sc};
+}
+
 // scale_layout 0: row-major UE8M0 [M, H / 32]; 1: the sm_100 MMA's scale-factor layout as flat bytes
 std::tuple<at::Tensor, at::Tensor> mxfp8_quantize_rows(const at::Tensor& x, int64_t scale_layout) {
   constexpr const char* kOp = "mok.mxfp8_quantize_rows";
@@ -237,6 +265,7 @@ TORCH_LIBRARY_IMPL(mok, CUDA, m) {
   m.impl("fp8_quantize_weight", &fp8_quantize_weight);
   m.impl("fp8_grouped_gemm", &fp8_grouped_gemm);
   m.impl("fp8_wgrad_gemm", &fp8_wgrad_gemm);
+  m.impl("fp8_quantize_tokens", &fp8_quantize_tokens);
   m.impl("mxfp8_quantize_rows", &mxfp8_quantize_rows);
   m.impl("topk_from_routing_map", &topk_from_routing_map);
 }

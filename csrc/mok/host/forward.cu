@@ -1,12 +1,13 @@
 // Host side of the forward library: the forward megakernel's launcher (one rank's launch; host/launch_args.h),
 // every CUDA call checked, and the unit kernels' launchers (host/unit_entry_points.cuh: the FP8 block-scaled grouped
-// GEMM and weight-gradient GEMM, the FP8 weight quantiser, the MXFP8 row quantiser).
+// GEMM and weight-gradient GEMM, the FP8 weight and token-block quantisers, the MXFP8 row quantiser).
 #include "forward/forward_kernel.cuh"
 #include "host/host_launch.h"
 #include "host/launch_args.h"
 #include "host/persistent_launch.h"
 #include "gemm/fp8_gemm.cuh"
 #include "gemm/fp8_wgrad_gemm.cuh"
+#include "quant/fp8_token_quant.cuh"
 #include "quant/fp8_weight_quant.cuh"
 #include "quant/mxfp8_quant.cuh"
 
@@ -131,6 +132,7 @@ int load_forward_kernels(int device, char* errbuf, int errlen) {
                            reinterpret_cast<const void*>(kForwardKernels[3]),
                            reinterpret_cast<const void*>(mok::fp8::mok_fp8_gemm_kernel),
                            reinterpret_cast<const void*>(mok::fp8::mok_fp8_wgrad_kernel),
+                           reinterpret_cast<const void*>(mok::mok_fp8_quantize_tokens_kernel),
                            reinterpret_cast<const void*>(mok::mok_fp8_quantize_weight_kernel),
                            reinterpret_cast<const void*>(mok::mok_mxfp8_quantize_rows_kernel),
                            reinterpret_cast<const void*>(mok::param_copy_kernel)};

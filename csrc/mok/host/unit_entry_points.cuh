@@ -1,11 +1,13 @@
 // Launchers of the forward library's unit kernels (included once, by host/forward.cu): the FP8
-// block-scaled grouped GEMM (gemm/fp8_gemm.cuh) and weight-gradient GEMM (gemm/fp8_wgrad_gemm.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh), the
+// block-scaled grouped GEMM (gemm/fp8_gemm.cuh) and weight-gradient GEMM (gemm/fp8_wgrad_gemm.cuh) with its
+// operands' quantiser (quant/fp8_token_quant.cuh), the FP8 weight quantiser (quant/fp8_weight_quant.cuh), the
 // MXFP8 row quantiser (quant/mxfp8_quant.cuh) and the routing conversion (routing/topk_from_map.cuh). Host code; every CUDA call checked.
 #pragma once
 #include "gemm/fp8_gemm.cuh"
 #include "gemm/fp8_wgrad_gemm.cuh"
 #include "host/host_launch.h"
 #include "host/launch_args.h"
+#include "quant/fp8_token_quant.cuh"
 #include "quant/fp8_weight_quant.cuh"
 #include "quant/mxfp8_quant.cuh"
 #include "routing/topk_from_map.cuh"
@@ -241,6 +243,38 @@ int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf
   MOK_CUDA_CHECK(stg.upload(dev, ws.total, stream));
   const unsigned grid = (unsigned)std::min(num_sms, P.num_tiles);
   mok::fp8::mok_fp8_wgrad_kernel<<<grid, mok::kThreads, (size_t)smem, stream>>>(P);
+  MOK_CUDA_CHECK(cudaGetLastError());
+  return 0;
+}
+
+}  // namespace mok_host
+
+
+// =================================================================================================
+// FP8 quantisation along the tokens (quant/fp8_token_quant.cuh): the FP8 wgrad unit's operands
+// =================================================================================================
+namespace mok_host {
+
+int fp8_quantize_tokens(const void* rows, long long ld, long long nrows, int F, int L, const int* counts, void* q,
+                        float* s, long long kcap, int device, cudaStream_t stream, char* errbuf, int errlen) {
+  const unsigned long long r = reinterpret_cast<uintptr_t>(rows), qa = reinterpret_cast<uintptr_t>(q);
+  if (F < 128 || F % 128) return write_err(errbuf, errlen, "fp8 token rows: %d columns, not a positive multiple of 128", F);
+  if (L < 1 || L > MOK_MAX_LOCAL_EXPERTS) return write_err(errbuf, errlen, "fp8 token rows: L=%d out of range", L);
+  if (nrows < 0 || ld < F || ld % 8)
+    return write_err(errbuf, errlen, "fp8 token rows: %lld rows with row stride %lld (>= %d, a multiple of 8)", nrows,
+                     ld, F);
+  const long long need = token_major_capacity(nrows, L);
+  if (kcap < need || kcap % 128 || kcap / 128 >= (1LL << 31))
+    return write_err(errbuf, errlen, "fp8 token rows: %lld token columns, %lld rows of %d experts need %lld", kcap,
+                     nrows, L, need);
+  if (nrows == 0) return 0;
+  if (!r || !qa || !s || !counts || r % 16 || qa % 16)
+    return write_err(errbuf, errlen, "fp8 token rows: null or not 16-byte aligned rows / output pointer");
+  MOK_CUDA_CHECK(cudaSetDevice(device));
+  mok::TokenQuantParams P{reinterpret_cast<const __nv_bfloat16*>(rows), ld, nrows, F, L, counts,
+                          reinterpret_cast<uint8_t*>(q), s, kcap};
+  mok::mok_fp8_quantize_tokens_kernel<<<dim3((unsigned)(kcap / 128), (unsigned)(F / 128)), mok::kTqThreads, 0,
+                                        stream>>>(P);
   MOK_CUDA_CHECK(cudaGetLastError());
   return 0;
 }
