@@ -51,29 +51,38 @@ def fp8_wgrad_gemm(
     sa: torch.Tensor,
     b: torch.Tensor,
     sb: torch.Tensor,
-    counts: list[int],
+    counts: torch.Tensor | list[int],
     *,
     out: list[torch.Tensor] | None = None,
     accumulate: bool = False,
     timeout_ms: float = 10000.0,
 ) -> list[torch.Tensor]:
-    """a e4m3 [M, Ktot], b e4m3 [N, Ktot] (token-contiguous rows), sa fp32 [Ktot / 128, M], sb fp32 [Ktot / 128, N];
-    counts[e] tokens of expert e, each a multiple of 128 (padded with zero tokens), back to back from column 0.
-    Returns per expert the fp32 [M, N] ``a_e @ b_e^T`` over its token columns, written into ``out`` (allocated
-    when None), or added to it with ``accumulate`` (a gradient buffer such as Megatron's ``main_grad``). An expert
-    without tokens gets zeros, or is left as it was when accumulating."""
+    """a e4m3 [M, Ktot], b e4m3 [N, Ktot] in the token-major layout (each expert's tokens padded to a multiple of 128,
+    back to back from column 0: ``quantize_tokens``), sa fp32 [Ktot / 128, M], sb fp32 [Ktot / 128, N]; counts[e]
+    tokens of expert e (a device int32 tensor needs no host sync; the kernel reports blocks past Ktot). Returns per
+    expert the fp32 [M, N] ``a_e @ b_e^T`` over its token columns, written into ``out`` (allocated when None), or
+    added to it with ``accumulate`` (a gradient buffer such as Megatron's ``main_grad``). An expert without tokens
+    gets zeros, or is left as it was when accumulating."""
     ops.load()
+    L = counts.numel() if isinstance(counts, torch.Tensor) else len(counts)
     if out is None:
         if accumulate:
             raise ValueError("fp8_wgrad_gemm: accumulate=True needs the buffers to add into (out=)")
         M = a.shape[0] if a.dim() == 2 else 0
         N = b.shape[0] if b.dim() == 2 else 0
-        out = [torch.empty((M, N), dtype=torch.float32, device=a.device) for _ in counts]
+        out = [torch.empty((M, N), dtype=torch.float32, device=a.device) for _ in range(L)]
+    if not isinstance(counts, torch.Tensor):
+        counts = [int(c) for c in counts]
+        cols = sum(-(-c // BLOCK) * BLOCK for c in counts)
+        if min(counts, default=0) < 0 or (a.dim() == 2 and cols > a.shape[1]):
+            raise ValueError(
+                f"fp8_wgrad_gemm: {counts} tokens per expert, padded to {BLOCK} each, need {cols} token columns; "
+                f"a has {a.shape[1] if a.dim() == 2 else 0}"
+            )
+        counts = torch.tensor(counts, dtype=torch.int32, device=a.device)
     err = errors.new_record(a.device)
-    torch.ops.mok.fp8_wgrad_gemm(
-        a, sa, b, sb, [int(c) for c in counts], list(out), err, bool(accumulate), float(timeout_ms)
-    )
-    _check_lazily(err, len(out), timeout_ms, "fp8_wgrad_gemm", "MoK fp8 wgrad GEMM")
+    torch.ops.mok.fp8_wgrad_gemm(a, sa, b, sb, counts, list(out), err, bool(accumulate), float(timeout_ms))
+    _check_lazily(err, L, timeout_ms, "fp8_wgrad_gemm", "MoK fp8 wgrad GEMM")
     return list(out)
 
 

@@ -52,7 +52,7 @@ _DEF.define(
     "Tensor(b!) err, float timeout_ms) -> ()"
 )
 _DEF.define(
-    "fp8_wgrad_gemm(Tensor a, Tensor sa, Tensor b, Tensor sb, int[] counts, Tensor(a!)[] out, Tensor(b!) err, "
+    "fp8_wgrad_gemm(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor counts, Tensor(a!)[] out, Tensor(b!) err, "
     "bool accumulate, float timeout_ms) -> ()"
 )
 _DEF.define("fp8_quantize_tokens(Tensor rows, Tensor counts, int kcap) -> (Tensor, Tensor)")

@@ -86,10 +86,11 @@ void fp8_grouped_gemm(const at::Tensor& xq, const at::Tensor& xs, at::TensorList
   launch_with_workspace(kOp, a, &mok_host::fp8_gemm_workspace_bytes, &mok_host::fp8_gemm_launch, err, dev);
 }
 
-// out[e] (+)= a_e b_e^T over expert e's token columns (gemm/fp8_wgrad_gemm.cuh): a / b e4m3 token-contiguous, one
-// fp32 scale per 128 tokens of each row, each expert's tokens padded to a multiple of 128
+// out[e] (+)= a_e b_e^T over expert e's token columns (gemm/fp8_wgrad_gemm.cuh): a / b e4m3 in the token-major
+// layout (gemm/token_major.cuh), one fp32 scale per 128 tokens of each row, counts: device int32 [L] tokens per
+// expert (the kernel checks that their blocks fit the token columns)
 void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor& b, const at::Tensor& sb,
-                    at::IntArrayRef counts, at::TensorList out, const at::Tensor& err, bool accumulate,
+                    const at::Tensor& counts, at::TensorList out, const at::Tensor& err, bool accumulate,
                     double timeout_ms) {
   constexpr const char* kOp = "mok.fp8_wgrad_gemm";
   TORCH_CHECK_VALUE(a.defined() && a.is_cuda() && a.dim() == 2, kOp, ": a must be a 2-D CUDA tensor, got ",
@@ -101,17 +102,20 @@ void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor&
   TORCH_CHECK_VALUE(M % 128 == 0 && M > 0 && N % 128 == 0 && N > 0, kOp, ": a ", describe(a), " and b ", describe(b),
                     " need row counts that are positive multiples of 128");
   TORCH_CHECK_VALUE(ktot % 128 == 0, kOp, ": ", ktot, " token columns must be a multiple of 128");
-  TORCH_CHECK_VALUE(L >= 1 && (int64_t)counts.size() == L, kOp, ": out and counts need one entry per expert, got ",
-                    out.size(), " and ", counts.size());
+  TORCH_CHECK_VALUE(L >= 1 && counts.defined() && counts.dim() == 1 && counts.size(0) == L, kOp,
+                    ": out and counts need one entry per expert, got ", out.size(), " and ",
+                    counts.defined() ? describe(counts) : "nothing");
   check_shape(kOp, "a", a, at::kFloat8_e4m3fn, {M, ktot}, dev);
   check_shape(kOp, "b", b, at::kFloat8_e4m3fn, {N, ktot}, dev);
   check_shape(kOp, "sa", sa, at::kFloat, {ktot / 128, M}, dev);
   check_shape(kOp, "sb", sb, at::kFloat, {ktot / 128, N}, dev);
+  check_shape(kOp, "counts", counts, at::kInt, {L}, dev);
   check_shape(kOp, "err", err, at::kInt, {16}, dev);
   check_contiguous(kOp, "a", a);
   check_contiguous(kOp, "b", b);
   check_contiguous(kOp, "sa", sa);
   check_contiguous(kOp, "sb", sb);
+  check_contiguous(kOp, "counts", counts);
   std::vector<unsigned long long> outp((size_t)L);
   for (int64_t e = 0; e < L; ++e) {
     const std::string s = "out[" + std::to_string(e) + "]";
@@ -121,14 +125,13 @@ void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor&
   }
   const c10::cuda::CUDAGuard guard(dev);
   load_kernels_once(dev.index());
-  const std::vector<long long> cnt(counts.begin(), counts.end());
   mok_host::MokFp8WgradArgs args{};
   args.L = (int)L;
   args.M = (int)M;
   args.N = (int)N;
   args.device = dev.index();
   args.ktot = ktot;
-  args.counts = cnt.data();
+  args.counts = ptr(counts);
   args.a = ptr(a);
   args.sa = ptr(sa);
   args.b = ptr(b);

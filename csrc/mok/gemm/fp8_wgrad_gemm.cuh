@@ -1,9 +1,10 @@
 // FP8 (e4m3) K-grouped GEMM of the weight gradients, DeepSeek-V3's recipe (one scale per 128 tokens of every row):
 //   out_e[m, n] (+)= sum_kb ( sum_{k in kb} a[m, k] * b[n, k] ) * sa[kb, m] * sb[kb, n]
-// over the token blocks kb of expert e. a [M, Ktot] and b [N, Ktot] are token-contiguous (the reduction runs along
-// the tokens, and FP8 WGMMA reads K-major operands only); each expert's tokens are padded to a multiple of 128 and
-// laid back to back from column 0; sa [Ktot / 128, M], sb [Ktot / 128, N]; fp32 output, stored or added into
-// (main_grad). megatron_mok/fp8.py fp8_wgrad_grouped is the oracle.
+// over the token blocks kb of expert e. a [M, Ktot] and b [N, Ktot] are in the token-major layout
+// (gemm/token_major.cuh: the reduction runs along the tokens, and FP8 WGMMA reads K-major operands only), the
+// experts' token counts on the device (every CTA derives each expert's blocks from them: no host sync);
+// sa [Ktot / 128, M], sb [Ktot / 128, N]; fp32 output, stored or added into (main_grad). megatron_mok/fp8.py
+// fp8_wgrad_grouped is the oracle.
 //
 // Unlike the forward's, the scale factor differs along both dimensions of the output tile (a row scale times a
 // column scale), so a thread's 64 accumulators need 2 row and 32 column scales per K block: they travel with the
@@ -11,12 +12,15 @@
 // Per K block a consumer warpgroup issues four m64n128k32 into a fresh product, drains, releases the stage (each
 // warp on its own: the empty barrier counts 8 warps) and promotes: one FMUL (row x column scale) and one FFMA per
 // element. The promotion overlaps the other warpgroup's MMAs. 128 x 128 tiles, 1 TMA producer thread + 2 consumer
-// warpgroups, kW8Stages-deep ring, tiles assigned statically as in the forward unit (gemm/fp8_gemm.cuh).
+// warpgroups, kW8Stages-deep ring, tiles assigned statically as in the forward unit (gemm/fp8_gemm.cuh): every
+// expert's M / 128 x N / 128 output tiles, an expert without tokens storing zeros (or skipped when accumulating).
 // tests/gpu/test_fp8_wgrad_gemm.py checks it against the oracle.
 #pragma once
 #include "common.cuh"
 #include "gemm/fp8_gemm.cuh"
 #include "gemm/gemm_sm90.cuh"
+#include "gemm/token_major.cuh"
+#include "mok_limits.h"
 #include "comm/timeout.cuh"
 
 namespace mok {
@@ -28,11 +32,12 @@ constexpr int kW8StageBytes = kF8ATile + kF8BTile + 2 * kW8ScaleBytes;  // 33 KB
 static_assert(kW8StageBytes % 1024 == 0, "SW128 tiles need 1024-B aligned stages");
 
 struct F8WgradParams {
-  Params base;                // timeout / error fields (mbar_wait)
+  Params base;                // timeout / error fields (mbar_wait, record_error)
   int m_tiles, n_tiles;       // M / 128, N / 128
-  int M, N;                   // output rows and columns (the scale vectors' lengths)
-  int num_tiles;              // experts listed x m_tiles x n_tiles
-  const int4* experts;        // [listed] {expert, first K block, K blocks, 0}
+  int M, N, L;                // output rows and columns (the scale vectors' lengths), experts
+  int num_tiles;              // L x m_tiles x n_tiles
+  long long ktot;             // token columns of a and b
+  const int* counts;          // device [L] tokens per expert
   const CUtensorMap* tm;      // [0]: a [M, Ktot], [1]: b [N, Ktot]  (uint8, [128 x 128] boxes, SW128)
   const float* sa;            // [Ktot / 128, M]
   const float* sb;            // [Ktot / 128, N]
@@ -42,38 +47,42 @@ struct F8WgradParams {
 
 __host__ __device__ constexpr int fp8_wgrad_smem_bytes() { return kW8Stages * kW8StageBytes + 2 * kW8Stages * 8 + 64; }
 
-// tile t of the static list: its expert entry, m-tile and n-tile (n fastest)
-__device__ __forceinline__ int4 wgrad_tile(const F8WgradParams& P, int t, int& mt, int& nt) {
+// Tile t of the static list: expert e's output tile (mt, nt), n fastest, over its K blocks [kb0, kb0 + nk).
+struct W8Tile {
+  int e, mt, nt, kb0, nk;
+};
+__device__ __forceinline__ W8Tile wgrad_tile(const F8WgradParams& P, const int* pb, int t) {
   const int per_expert = P.m_tiles * P.n_tiles;
-  const int r = t % per_expert;
-  mt = r / P.n_tiles;
-  nt = r % P.n_tiles;
-  return P.experts[t / per_expert];
+  const int e = t / per_expert, r = t % per_expert;
+  return {e, r / P.n_tiles, r % P.n_tiles, pb[e], pb[e + 1] - pb[e]};
 }
+// A tile with nothing to do: no tokens, and its gradient is added into (stored tiles write their zeros).
+__device__ __forceinline__ bool wgrad_skip(const F8WgradParams& P, const W8Tile& w) { return P.accumulate && !w.nk; }
 
-__device__ void fp8_wgrad_producer(const F8WgradParams& P, uint8_t* stages, uint64_t* full, uint64_t* empty) {
+__device__ void fp8_wgrad_producer(const F8WgradParams& P, const int* pb, uint8_t* stages, uint64_t* full,
+                                   uint64_t* empty) {
   int st = 0;
   uint32_t ph = 0;
   for (int t = blockIdx.x; t < P.num_tiles; t += gridDim.x) {
-    int mt, nt;
-    const int4 ex = wgrad_tile(P, t, mt, nt);
-    for (int i = 0; i < ex.z; ++i) {
-      const int kb = ex.y + i;
+    const W8Tile w = wgrad_tile(P, pb, t);
+    if (wgrad_skip(P, w)) continue;
+    for (int kb = w.kb0; kb < w.kb0 + w.nk; ++kb) {
       mbar_wait(P.base, &empty[st], ph ^ 1u, -1, 2);
       uint8_t* s = stages + st * kW8StageBytes;
       Barrier::arrive_and_expect_tx(&full[st], (uint32_t)kW8StageBytes);
-      tma_load_2d(P.tm, &full[st], s, kb * kF8BK, mt * kF8BM);
-      tma_load_2d(P.tm + 1, &full[st], s + kF8ATile, kb * kF8BK, nt * kF8BN);
-      cute::SM90_BULK_COPY_G2S::copy(P.sa + (long long)kb * P.M + mt * kF8BM, &full[st], s + kF8ATile + kF8BTile,
+      tma_load_2d(P.tm, &full[st], s, kb * kF8BK, w.mt * kF8BM);
+      tma_load_2d(P.tm + 1, &full[st], s + kF8ATile, kb * kF8BK, w.nt * kF8BN);
+      cute::SM90_BULK_COPY_G2S::copy(P.sa + (long long)kb * P.M + w.mt * kF8BM, &full[st], s + kF8ATile + kF8BTile,
                                      kW8ScaleBytes);
-      cute::SM90_BULK_COPY_G2S::copy(P.sb + (long long)kb * P.N + nt * kF8BN, &full[st],
+      cute::SM90_BULK_COPY_G2S::copy(P.sb + (long long)kb * P.N + w.nt * kF8BN, &full[st],
                                      s + kF8ATile + kF8BTile + kW8ScaleBytes, kW8ScaleBytes);
       if (++st == kW8Stages) { st = 0; ph ^= 1u; }
     }
   }
 }
 
-__device__ void fp8_wgrad_consumer(const F8WgradParams& P, uint8_t* stages, uint64_t* full, uint64_t* empty, int wgc) {
+__device__ void fp8_wgrad_consumer(const F8WgradParams& P, const int* pb, uint8_t* stages, uint64_t* full,
+                                   uint64_t* empty, int wgc) {
   const int lt = threadIdx.x & 127;
   const int warp_in_wg = lt >> 5, lane = lt & 31;
   const int r0 = wgc * 64 + warp_in_wg * 16 + (lane >> 2);  // this thread's two tile rows: r0, r0 + 8
@@ -82,11 +91,11 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, uint8_t* stages, uint
   int st = 0;
   uint32_t ph = 0;
   for (int t = blockIdx.x; t < P.num_tiles; t += gridDim.x) {
-    int mt, nt;
-    const int4 ex = wgrad_tile(P, t, mt, nt);
+    const W8Tile w = wgrad_tile(P, pb, t);
+    if (wgrad_skip(P, w)) continue;
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int i = 0; i < ex.z; ++i) {
+    for (int i = 0; i < w.nk; ++i) {
       mbar_wait(P.base, &full[st], ph, -1, 4);
       const uint8_t* s = stages + st * kW8StageBytes;
       // this block's scales, read before the MMAs so their latency hides under them
@@ -119,10 +128,10 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, uint8_t* stages, uint
       }
     }
     // epilogue: fp32 pairs into the expert's gradient (every tile row is a real row: M and N are multiples of 128)
-    float* out = P.out[ex.x];
+    float* out = P.out[w.e];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float* row = out + (long long)(mt * kF8BM + r0 + 8 * h) * P.N + nt * kF8BN + c0;
+      float* row = out + (long long)(w.mt * kF8BM + r0 + 8 * h) * P.N + w.nt * kF8BN + c0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
@@ -140,6 +149,8 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, uint8_t* stages, uint
 
 __global__ void __launch_bounds__(kThreads, 1) mok_fp8_wgrad_kernel(const __grid_constant__ F8WgradParams P) {
   extern __shared__ uint8_t smem_raw[];
+  __shared__ int pb[MOK_MAX_LOCAL_EXPERTS + 1];  // each expert's first 128-token block
+  __shared__ int fits;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kW8Stages * kW8StageBytes);
   uint64_t* empty = full + kW8Stages;
@@ -150,14 +161,25 @@ __global__ void __launch_bounds__(kThreads, 1) mok_fp8_wgrad_kernel(const __grid
     }
     cutlass::arch::fence_barrier_init();
   }
+  expert_prefixes<kThreads>(P.counts, P.L, nullptr, pb);  // ends with __syncthreads
+  if (threadIdx.x == 0) {
+    // the experts' blocks must lie within the operands (a TMA box past them reads zeros: a silently wrong gradient)
+    fits = 128LL * pb[P.L] <= P.ktot;
+    if (!fits && blockIdx.x == 0) {
+      int e = 0;
+      while (128LL * pb[e + 1] <= P.ktot) ++e;
+      record_error(P.base, kErrBadShape, 0, e, kPhaseWgrad, P.ktot, 128LL * pb[e + 1], 0);
+    }
+  }
   __syncthreads();
+  if (!fits) return;
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<40>();
-    if (threadIdx.x == 0) fp8_wgrad_producer(P, smem, full, empty);
+    if (threadIdx.x == 0) fp8_wgrad_producer(P, pb, smem, full, empty);
   } else {
     setmaxnreg_inc<232>();
-    fp8_wgrad_consumer(P, smem, full, empty, wg - 1);
+    fp8_wgrad_consumer(P, pb, smem, full, empty, wg - 1);
   }
 }
 

@@ -189,7 +189,7 @@ struct MokFp8GemmArgs {
 struct MokFp8WgradArgs {
   int L, M, N, device;
   long long ktot;                     // token columns of a / b (a multiple of 128)
-  const long long* counts;            // host [L] tokens per expert (multiples of 128), back to back from column 0
+  unsigned long long counts;          // device int32 [L] tokens per expert (the token-major layout pads each to 128)
   unsigned long long a;               // device e4m3 [M, ktot]
   unsigned long long sa;              // device fp32 [ktot / 128, M]
   unsigned long long b;               // device e4m3 [N, ktot]

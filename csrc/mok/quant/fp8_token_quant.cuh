@@ -1,18 +1,19 @@
 // FP8 (e4m3) quantisation along the tokens, the operands of the FP8 weight gradients (DeepSeek-V3's recipe: the
 // scaling block runs along each GEMM's reduction dimension, for wgrad the tokens). Layout-order bf16 rows [rows, F]
 // (experts back to back from row 0, counts[e] rows each, counts on the device) -> the FP8 wgrad unit's operand
-// (gemm/fp8_wgrad_gemm.cuh): e4m3 [F, kcap] token-contiguous, each expert's tokens padded with zeros to a multiple
-// of 128, experts back to back from column 0, and fp32 scales [kcap / 128, F], one per 128 tokens of a column.
+// (gemm/fp8_wgrad_gemm.cuh) in the token-major layout (gemm/token_major.cuh): e4m3 [F, kcap], and fp32 scales
+// [kcap / 128, F], one per 128 tokens of a column.
 // The same numbers as megatron_mok/fp8.py token_major_operand (scale and 1 / scale as quant/fp8_quant.cuh makes them).
 //
 // One CTA of 256 threads per (128-token block, 128 columns): a thread loads 8 consecutive tokens of 8 columns
 // (16-byte loads, a token row's 256 B read by 16 threads), the columns' amax is reduced through shared memory, and
 // the e4m3 block is transposed in shared memory (8-byte chunks XOR-swizzled by column group: conflict-free writes)
-// and stored as 128-byte column runs. The CTA finds its expert from the counts itself (a block scan of at most
-// MOK_MAX_LOCAL_EXPERTS entries), so no host sync and no second launch.
+// and stored as 128-byte column runs. The CTA finds its expert from the counts itself (expert_prefixes), so no host
+// sync and no second launch.
 #pragma once
 #include "common.cuh"
 #include "mok_limits.h"
+#include "gemm/token_major.cuh"
 #include "quant/fp8_quant.cuh"
 
 namespace mok {
@@ -29,40 +30,6 @@ struct TokenQuantParams {
   long long kcap;             // token columns (a multiple of 128)
 };
 
-// Exclusive prefix sums over L <= 2 * kTqThreads entries of (counts, 128-token blocks): pr[e] first row of expert
-// e, pb[e] its first block; pr[L] / pb[L] the totals.
-__device__ __forceinline__ void expert_prefixes(const int* __restrict__ counts, int L, long long* pr, int* pb) {
-  __shared__ long long wr[kTqThreads / 32];
-  __shared__ int wb[kTqThreads / 32];
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int c0 = 2 * t < L ? max(counts[2 * t], 0) : 0, c1 = 2 * t + 1 < L ? max(counts[2 * t + 1], 0) : 0;
-  long long r = c0 + c1;
-  int b = (c0 + 127) / 128 + (c1 + 127) / 128;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {  // inclusive scan within the warp
-    const long long rr = __shfl_up_sync(0xffffffffu, r, o);
-    const int bb = __shfl_up_sync(0xffffffffu, b, o);
-    if (lane >= o) { r += rr; b += bb; }
-  }
-  if (lane == 31) { wr[warp] = r; wb[warp] = b; }
-  __syncthreads();
-  long long ro = 0;
-  int bo = 0;
-  for (int w = 0; w < warp; ++w) { ro += wr[w]; bo += wb[w]; }
-  r += ro;
-  b += bo;  // inclusive over this thread's two entries
-  if (2 * t < L) {
-    pr[2 * t] = r - c0 - c1;
-    pb[2 * t] = b - (c0 + 127) / 128 - (c1 + 127) / 128;
-  }
-  if (2 * t + 1 < L) {
-    pr[2 * t + 1] = r - c1;
-    pb[2 * t + 1] = b - (c1 + 127) / 128;
-  }
-  if (t == kTqThreads - 1) { pr[L] = r; pb[L] = b; }
-  __syncthreads();
-}
-
 __global__ void __launch_bounds__(kTqThreads) mok_fp8_quantize_tokens_kernel(const TokenQuantParams P) {
   __shared__ long long pr[MOK_MAX_LOCAL_EXPERTS + 1];
   __shared__ int pb[MOK_MAX_LOCAL_EXPERTS + 1];
@@ -71,7 +38,7 @@ __global__ void __launch_bounds__(kTqThreads) mok_fp8_quantize_tokens_kernel(con
   __shared__ __align__(16) uint8_t qt[128 * 128];   // the e4m3 block, [column][token], 8-byte chunks swizzled
   __shared__ int s_e;
   const int blk = blockIdx.x, col0 = blockIdx.y * 128, t = threadIdx.x;
-  expert_prefixes(P.counts, P.L, pr, pb);
+  expert_prefixes<kTqThreads>(P.counts, P.L, pr, pb);
   if (blk >= pb[P.L]) return;  // past every expert's blocks: columns no expert owns stay as they are
   if (2 * t < P.L && pb[2 * t] <= blk && blk < pb[2 * t + 1]) s_e = 2 * t;
   if (2 * t + 1 < P.L && pb[2 * t + 1] <= blk && blk < pb[2 * t + 2]) s_e = 2 * t + 1;
