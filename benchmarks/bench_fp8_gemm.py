@@ -88,7 +88,7 @@ def bench_wgrad(name: str, M: int, N: int, L: int, T: int, iters: int) -> None:
     tpe = torch.full((L,), T, dtype=torch.int32, device=dev)
     qa_ms, _ = cuda_times_ms(lambda: quantize_tokens(ra, tpe), iters, 2)  # the operands from layout-order rows
     qb_ms, _ = cuda_times_ms(lambda: quantize_tokens(rb, tpe), iters, 2)
-    quant = f" | quantising a {qa_ms:.3f} ms, b {qb_ms:.3f} ms ({3 * L * T * (M + N) / (qa_ms + qb_ms) / 1e9:.0f} GB/s)"
+    quant = f" | quantising a {qa_ms:.3f} ms, b {qb_ms:.3f} ms ({3 * L * T * (M + N) / (qa_ms + qb_ms) / 1e6:.0f} GB/s)"
 
     def tf(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
