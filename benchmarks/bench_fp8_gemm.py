@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -24,6 +25,15 @@ from bench_fp8 import blockwise_mm, runs_here  # noqa: E402
 from megatron_mok import fp8  # noqa: E402
 from megatron_mok.kernel.gemm import fp8_grouped_gemm, fp8_wgrad_gemm, quantize_tokens  # noqa: E402
 from megatron_mok.timing import cuda_pipelined_ms, cuda_times_ms  # noqa: E402
+
+
+def _cublas_ceiling(block: Callable[[], torch.Tensor], iters: int, unit_ms: float, tf: Callable[[float], float]) -> str:
+    """One dense cuBLAS FP8 GEMM of the same FLOPs with the unit's block scales, and the unit's share of its speed
+    (empty where this torch / GPU cannot run it)."""
+    if not runs_here("dense FP8 block-scaled", block):
+        return ""
+    ms = cuda_times_ms(block, iters, 2)[0]
+    return f" | dense FP8 block-scaled (cuBLAS) {ms:.3f} ms = {tf(ms):.0f} -> unit at {ms / unit_ms:.1%}"
 
 
 def bench_shape(name: str, K: int, N: int, L: int, M: int, iters: int) -> None:
@@ -50,12 +60,8 @@ def bench_shape(name: str, K: int, N: int, L: int, M: int, iters: int) -> None:
     def tf(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
 
-    block = blockwise_mm(xq, wq[0].t(), b_blocks=128)  # scales of its own layout (values do not change the time)
-    bl = ""
-    if runs_here("dense FP8 block-scaled", block):
-        bl_ms = cuda_times_ms(block, iters, 2)[0]
-        bl = f" | dense FP8 block-scaled (cuBLAS) {bl_ms:.3f} ms = {tf(bl_ms):.0f} -> unit at {bl_ms / f8_ms:.1%}"
-
+    # scales of its own layout (values do not change the time)
+    bl = _cublas_ceiling(blockwise_mm(xq, wq[0].t(), b_blocks=128), iters, f8_ms, tf)
     print(
         f"{name} [{L} x {M} rows, K {K} -> N {N}]: fp8 {f8_ms:.3f} ms (min {f8_min:.3f}, pipelined {f8_pipe:.3f}) "
         f"= {tf(f8_ms):.0f} TFLOP/s | bf16 per-expert mm {bf_ms:.3f} ms = {tf(bf_ms):.0f} -> fp8 {bf_ms / f8_ms:.2f}x | "
@@ -93,11 +99,7 @@ def bench_wgrad(name: str, M: int, N: int, L: int, T: int, iters: int) -> None:
     def tf(ms: float) -> float:
         return flops / (ms * 1e-3) / 1e12
 
-    block = blockwise_mm(a, b.t(), b_blocks=1)  # 1 x 128 scales along the tokens on both operands, as the recipe's
-    bl = ""
-    if runs_here("dense FP8 block-scaled", block):
-        bl_ms = cuda_times_ms(block, iters, 2)[0]
-        bl = f" | dense FP8 block-scaled (cuBLAS) {bl_ms:.3f} ms = {tf(bl_ms):.0f} -> unit at {bl_ms / f8_ms:.1%}"
+    bl = _cublas_ceiling(blockwise_mm(a, b.t(), b_blocks=1), iters, f8_ms, tf)  # 1 x 128 along the tokens, both
     print(
         f"{name} [{L} x {T} tokens, {M} x {N}]: fp8 {f8_ms:.3f} ms (min {f8_min:.3f}; accumulating {acc_ms:.3f}) "
         f"= {tf(f8_ms):.0f} TFLOP/s | bf16 per-expert mm {bf_ms:.3f} ms = {tf(bf_ms):.0f} -> fp8 {bf_ms / f8_ms:.2f}x | "

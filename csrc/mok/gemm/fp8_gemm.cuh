@@ -66,12 +66,10 @@ __device__ void fp8_producer(const F8GemmParams& P, uint8_t* stages, uint64_t* f
   }
 }
 
-// One K block of a consumer warpgroup: wait for its stage, issue its four m64n128k32 into t (t = the block's
-// product, written fresh) and commit them as one group.
-__device__ __forceinline__ void fp8_issue_block(const F8GemmParams& P, const uint8_t* stages, uint64_t* full, int wgc,
-                                                int st, uint32_t ph, float* t) {
-  mbar_wait(P.base, &full[st], ph, -1, 4);
-  const uint8_t* s = stages + st * kF8StageBytes;
+// The MMAs of one landed K block of a consumer warpgroup (wgc: its 64 rows of the A tile at s, the B tile at
+// s + kF8ATile): four m64n128k32 into t (the block's product, written fresh), committed as one group. Shared with
+// the weight-gradient unit (gemm/fp8_wgrad_gemm.cuh).
+__device__ __forceinline__ void fp8_block_mmas(const uint8_t* s, int wgc, float* t) {
   const uint64_t da = make_smem_desc_sw128(s + wgc * (64 * kF8BK));
   const uint64_t db = make_smem_desc_sw128(s + kF8ATile);
   fence_acc64_f8(t);
@@ -80,6 +78,13 @@ __device__ __forceinline__ void fp8_issue_block(const F8GemmParams& P, const uin
   for (int kk = 0; kk < kF8BK / 32; ++kk)  // k32 step = 32 B = 2 descriptor units
     wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), t, kk > 0);
   cute::warpgroup_commit_batch();
+}
+
+// One K block of a consumer warpgroup: wait for its stage and issue its MMAs into t.
+__device__ __forceinline__ void fp8_issue_block(const F8GemmParams& P, const uint8_t* stages, uint64_t* full, int wgc,
+                                                int st, uint32_t ph, float* t) {
+  mbar_wait(P.base, &full[st], ph, -1, 4);
+  fp8_block_mmas(stages + st * kF8StageBytes, wgc, t);
 }
 
 // acc += t * (row scale x block scale): the promotion of one landed K block.

@@ -105,14 +105,7 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, const int* pb, uint8_
       float2 sc[16];
 #pragma unroll
       for (int j = 0; j < 16; ++j) sc[j] = *reinterpret_cast<const float2*>(ssb + 8 * j + c0);
-      const uint64_t da = make_smem_desc_sw128(s + wgc * (64 * kF8BK));
-      const uint64_t db = make_smem_desc_sw128(s + kF8ATile);
-      fence_acc64_f8(prod);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kF8BK / 32; ++kk)  // k32 step = 32 B = 2 descriptor units
-        wgmma_64x128x32_e4m3(da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), prod, kk > 0);
-      cute::warpgroup_commit_batch();
+      fp8_block_mmas(s, wgc, prod);
       cute::warpgroup_wait<0>();
       fence_acc64_f8(prod);
       // the stage (tiles and scales) is read: free it before promoting, so the producer refills it sooner
