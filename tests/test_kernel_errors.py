@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mok.kernel.comm import SIGNAL_KINDS
-from megatron_mok.kernel.errors import BACKWARD_PHASES, FORWARD_PHASES, PEER_SIGNAL_PHASES, format_error
+from megatron_mok.kernel.errors import BACKWARD_PHASES, FORWARD_PHASES, PEER_SIGNAL_PHASES, UNIT_PHASES, format_error
 
 COMMON = (Path(__file__).resolve().parents[1] / "csrc" / "mok" / "common.cuh").read_text()
 
@@ -26,9 +26,9 @@ def c_enum(name: str) -> dict[str, int]:
 def test_every_phase_has_a_name():
     phases = c_enum("Phase")
     assert len(phases) >= 13
-    named = set(FORWARD_PHASES) | set(BACKWARD_PHASES)
+    named = set(FORWARD_PHASES) | set(BACKWARD_PHASES) | set(UNIT_PHASES)
     missing = {k: v for k, v in phases.items() if v not in named}
-    assert not missing, f"phases without a name in FORWARD_PHASES / BACKWARD_PHASES: {missing}"
+    assert not missing, f"phases without a name in FORWARD_PHASES / BACKWARD_PHASES / UNIT_PHASES: {missing}"
     assert phases["kPhaseWgrad"] in BACKWARD_PHASES
     assert phases["kPhasePeerSrcQuant"] in FORWARD_PHASES  # forward only
 
@@ -76,3 +76,19 @@ def test_nonfinite_messages(backward: bool, phase: str, fields: tuple[int, ...],
     kernel = "MoK backward kernel" if backward else "MoK kernel"
     msg = format_error([code, rank, slot, ph, exp, seen, extra, 0], 4, 8, 100.0, kernel=kernel, phases=names)
     assert expected in msg and names[ph] in msg, msg
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        (0, "local expert 3's rows end at row 900, but the rows hold 800"),
+        (1, "local expert 3's 128-padded tokens end at column 900, but a and b hold 800"),
+        (2, "local expert 3 has a negative token count (900)"),
+    ],
+    ids=["quantiser-rows", "wgrad-columns", "negative"],
+)
+def test_token_count_messages(extra: int, expected: str) -> None:
+    """The FP8 wgrad units' count check (code kErrBadShape, phase kPhaseTokenCounts) says which expert and why."""
+    code, ph = c_enum("ErrCode")["kErrBadShape"], c_enum("Phase")["kPhaseTokenCounts"]
+    msg = format_error([code, 0, 3, ph, 800, 900, extra, 0], 1, 8, 100.0, kernel="MoK unit", phases=UNIT_PHASES)
+    assert msg == "MoK unit: " + ("the token counts do not fit: " if extra < 2 else "") + expected, msg

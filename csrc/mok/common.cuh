@@ -85,6 +85,7 @@ enum Phase : int {
   kPhaseInputCheck = 14,     // x read by the pull (bf16) or by its source quantisation (FP8)
   kPhaseWeightScales = 15,   // FP8: the experts' weight block scales, read before the schedule
   kPhaseGradOutCheck = 16,   // backward: grad_out read by the pull reverse-combine
+  kPhaseTokenCounts = 17,    // FP8 wgrad units: per-expert token counts that do not fit the rows / token columns
 };
 // err[0]=code err[1]=rank err[2]=slot err[3]=phase err[4]=expected err[5]=seen err[6]=extra err[7]=block
 

@@ -51,6 +51,15 @@ def format_error(err: list[int], R: int, L: int, timeout_ms: float, *, kernel: s
             f"{kernel}: wgrad of rank {rank} expert {slot}: its rows end at {seen} but the layout buffers hold "
             f"{expected} rows (tokens-per-expert counts not written by a finished dgrad launch?)"
         )
+    if code == 4 and phase == 17:
+        if extra == 2:
+            return f"{kernel}: local expert {slot} has a negative token count ({seen})"
+        where = (
+            ("rows end at row", "the rows hold") if extra == 0 else ("128-padded tokens end at column", "a and b hold")
+        )
+        return (
+            f"{kernel}: the token counts do not fit: local expert {slot}'s {where[0]} {seen}, but {where[1]} {expected}"
+        )
     if code == 4:
         return (
             f"{kernel}: rank {extra} runs {seen} tokens but rank {rank} was launched for {expected}: every EP rank "
@@ -115,6 +124,12 @@ BACKWARD_PHASES = {
     11: "wgrad (per-expert row counts do not fit the layout buffers: the dgrad launch did not finish)",
     15: "FP8 weight-scale check (before the schedule)",
     16: "output-gradient check (grad_out as the pull reverse-combine reads it)",
+}
+
+# the unit kernels' (FP8 GEMMs and quantisers) waits and checks
+UNIT_PHASES = {
+    6: "internal smem pipeline",
+    17: "token counts (per-expert counts that do not fit the rows or the token columns they index)",
 }
 
 Message = Callable[[list[int]], str]

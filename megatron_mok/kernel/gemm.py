@@ -92,22 +92,27 @@ def token_major_capacity(rows: int, experts: int) -> int:
 
 
 def quantize_tokens(rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layout-order bf16 rows [T, F] (experts back to back from row 0, counts[e] rows each; a device int32 tensor
-    needs no host sync) -> ``fp8_wgrad_gemm``'s operand: e4m3 [F, Kcap] token-contiguous, each expert's tokens padded
-    with zeros to a multiple of 128 from column 0, and fp32 scales [Kcap / 128, F] (``csrc/mok/quant/
-    fp8_token_quant.cuh``; ``megatron_mok.fp8.token_major_operand`` computes the same numbers). Kcap is
-    ``token_major_capacity(T, len(counts))``; columns past the experts' are left unwritten."""
+    """Layout-order bf16 rows [T, F] (experts back to back from row 0, counts[e] rows each) -> ``fp8_wgrad_gemm``'s
+    operand: e4m3 [F, Kcap] token-contiguous, each expert's tokens padded with zeros to a multiple of 128 from column
+    0, and fp32 scales [Kcap / 128, F] (``csrc/mok/quant/fp8_token_quant.cuh``; ``megatron_mok.fp8.
+    token_major_operand`` computes the same numbers). Kcap is ``token_major_capacity(T, len(counts))``; columns past
+    the experts' are left unwritten. Counts on the device (int32) need no host sync; ones that do not fit the rows
+    are reported as the kernels' errors are, a host list is checked before the launch."""
     ops.load()
+    T = rows.shape[0] if rows.dim() == 2 else 0
     if not isinstance(counts, torch.Tensor):
-        counts = torch.tensor([int(c) for c in counts], dtype=torch.int32, device=rows.device)
-    kcap = token_major_capacity(rows.shape[0] if rows.dim() == 2 else 0, counts.numel())
-    return torch.ops.mok.fp8_quantize_tokens(rows, counts, kcap)
+        counts = [int(c) for c in counts]
+        if min(counts, default=0) < 0 or sum(counts) > T:
+            raise ValueError(f"quantize_tokens: {T} rows cannot hold expert segments of {counts} rows")
+        counts = torch.tensor(counts, dtype=torch.int32, device=rows.device)
+    err = errors.new_record(rows.device)
+    out = torch.ops.mok.fp8_quantize_tokens(rows, counts, token_major_capacity(T, counts.numel()), err)
+    _check_lazily(err, counts.numel(), 0.0, "quantize_tokens", "MoK fp8 token quantiser")
+    return out
 
 
 def _check_lazily(err: torch.Tensor, experts: int, timeout_ms: float, op: str, kernel: str) -> None:
     """A unit's error record (an internal pipeline stall) read lazily, like the megakernels'."""
-    message = lambda e: errors.format_error(  # noqa: E731
-        e, 1, experts, timeout_ms, kernel=kernel, phases={6: "internal smem pipeline"}
-    )
+    message = lambda e: errors.format_error(e, 1, experts, timeout_ms, kernel=kernel, phases=errors.UNIT_PHASES)  # noqa: E731
     check = errors.capture_check("lazy", op)  # no event query while a CUDA graph captures
     errors.after_launch(err, None, check, message)  # launched on the current stream

@@ -55,7 +55,7 @@ _DEF.define(
     "fp8_wgrad_gemm(Tensor a, Tensor sa, Tensor b, Tensor sb, Tensor counts, Tensor(a!)[] out, Tensor(b!) err, "
     "bool accumulate, float timeout_ms) -> ()"
 )
-_DEF.define("fp8_quantize_tokens(Tensor rows, Tensor counts, int kcap) -> (Tensor, Tensor)")
+_DEF.define("fp8_quantize_tokens(Tensor rows, Tensor counts, int kcap, Tensor(a!) err) -> (Tensor, Tensor)")
 _DEF.define("mxfp8_quantize_rows(Tensor x, int scale_layout) -> (Tensor, Tensor)")
 _DEF.define("topk_from_routing_map(Tensor routing_map, Tensor probs, int topk) -> (Tensor, Tensor)")
 _DEF.define("sm100_mxfp8_grouped_gemm(Tensor[] a, Tensor[] sfa, Tensor[] b, Tensor[] sfb, Tensor(a!)[] out) -> ()")
@@ -97,7 +97,7 @@ def _fp8_wgrad_gemm_fake(*args, **kwargs) -> None:
 
 
 @torch.library.register_fake("mok::fp8_quantize_tokens")
-def _fp8_quantize_tokens_fake(rows, counts, kcap):
+def _fp8_quantize_tokens_fake(rows, counts, kcap, err):
     F = rows.shape[1]
     return rows.new_empty((F, kcap), dtype=torch.float8_e4m3fn), rows.new_empty((kcap // 128, F), dtype=torch.float32)
 

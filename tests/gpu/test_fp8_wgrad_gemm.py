@@ -84,7 +84,8 @@ def test_fp8_wgrad_gemm_accumulates_into_the_buffers_and_leaves_tokenless_expert
     g = torch.Generator().manual_seed(12)
     before = [torch.randn(256, 128, generator=g) for _ in counts]
     bufs = [t.cuda() for t in before]
-    gemm.fp8_wgrad_gemm(*dev_ops, counts, out=bufs, accumulate=True)  # host counts, unpadded
+    tpe = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    gemm.fp8_wgrad_gemm(*dev_ops, tpe, out=bufs, accumulate=True)
     torch.cuda.synchronize()
     want = fp8.fp8_wgrad_grouped(a, sa, b, sb, padded)
     assert torch.equal(bufs[1].cpu(), before[1]), "accumulating touched an expert without tokens"
@@ -92,7 +93,7 @@ def test_fp8_wgrad_gemm_accumulates_into_the_buffers_and_leaves_tokenless_expert
         _assert_matches(bufs[e].cpu(), before[e] + want[e])
     # and all experts without tokens: nothing to launch, nothing changes
     kept = [t.clone() for t in bufs]
-    gemm.fp8_wgrad_gemm(*dev_ops, [0, 0, 0], out=bufs, accumulate=True)
+    gemm.fp8_wgrad_gemm(*dev_ops, [0, 0, 0], out=bufs, accumulate=True)  # host counts
     torch.cuda.synchronize()
     assert all(torch.equal(t, k) for t, k in zip(bufs, kept))
 
@@ -116,12 +117,22 @@ def test_fp8_wgrad_gemm_bad_inputs_are_clear_errors(gemm):
         gemm.fp8_wgrad_gemm(a, sa, b, sb, padded, out=outs)
     # device counts whose blocks run past the token columns: the kernel says so (read lazily, like the megakernels')
     gemm.fp8_wgrad_gemm(a, sa, b, sb, torch.tensor([128, 129], dtype=torch.int32, device="cuda"))
-    with pytest.raises(MokKernelError, match="expert 1: its rows end at 384 but the layout buffers hold 256"):
+    with pytest.raises(MokKernelError, match="expert 1's 128-padded tokens end at column 384, but a and b hold 256"):
+        check_pending_errors(wait=True)
+    gemm.fp8_wgrad_gemm(a, sa, b, sb, torch.tensor([128, -5], dtype=torch.int32, device="cuda"))
+    with pytest.raises(MokKernelError, match=r"local expert 1 has a negative token count \(-5\)"):
         check_pending_errors(wait=True)
 
 
-@pytest.mark.parametrize("counts,F", [([200, 0, 384, 77], 256), ([1], 128), ([0, 0], 128), ([1000, 24, 513], 384)])
-def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F):
+_MANY = [(e * 37) % 300 if e % 3 else 0 for e in range(200)]  # 200 experts, every third without tokens
+
+
+@pytest.mark.parametrize(
+    "counts,F,stride",
+    [([200, 0, 384, 77], 256, 0), ([1], 128, 0), ([0, 0], 128, 0), ([1000, 24, 513], 384, 128), (_MANY, 128, 0)],
+    ids=["ragged", "one-token", "no-tokens", "strided-rows", "200-experts"],
+)
+def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F, stride):
     """Layout-order rows (counts on the device) -> the unit's operand: the scales bit-identical to the oracle's, the
     e4m3 values within one e4m3 step (the kernel's 1 / scale is a refined approximate reciprocal: an ulp apart at
     most), zero padding in each expert's last block; and the unit on the quantiser's output matches the oracle."""
@@ -129,7 +140,9 @@ def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F):
 
     g = torch.Generator().manual_seed(F + len(counts))
     rows = torch.randn(sum(counts) + 3, F, generator=g) * torch.logspace(-2, 2, F)  # 3 rows owned by no expert
-    q, s = gemm.quantize_tokens(rows.cuda().bfloat16(), torch.tensor(counts, dtype=torch.int32, device="cuda"))
+    dev_rows = torch.zeros(rows.shape[0], F + stride, dtype=torch.bfloat16, device="cuda")[:, :F]  # row stride F + pad
+    dev_rows.copy_(rows.bfloat16())
+    q, s = gemm.quantize_tokens(dev_rows, torch.tensor(counts, dtype=torch.int32, device="cuda"))
     torch.cuda.synchronize()
     assert q.shape == (F, gemm.token_major_capacity(rows.shape[0], len(counts))) and s.shape[1] == F
     want_q, want_s, padded = fp8.token_major_operand(rows.bfloat16().float(), counts)  # the kernel reads bf16 rows
@@ -140,7 +153,8 @@ def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F):
     got, want = q[:, :ktot].cpu().float(), want_q.float()
     diff = (got - want).abs()
     assert float((diff > 0).float().mean()) < 1e-3, "more than rare one-ulp differences in the e4m3 values"
-    step = torch.clamp(want.abs() / 8, min=2.0**-9)  # one e4m3 step (subnormals: 2^-9)
+    # one e4m3 step at the larger of the two magnitudes: 2^(exponent - 3), subnormals 2^-9
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(got.abs(), want.abs()).clamp_min(2.0**-6))) - 3)
     assert bool((diff <= step).all()), "an e4m3 value off by more than one step"
     b_rows = torch.randn(rows.shape[0], 128, generator=g)
     b, sb = gemm.quantize_tokens(b_rows.cuda().bfloat16(), counts)  # counts from the host this time
@@ -148,3 +162,24 @@ def test_token_quantiser_matches_the_oracle_and_feeds_the_unit(gemm, counts, F):
     wb, wsb, _ = fp8.token_major_operand(b_rows.bfloat16().float(), counts)
     for got_e, want_e in zip(out, fp8.fp8_wgrad_grouped(want_q, want_s, wb, wsb, padded)):
         _assert_matches(got_e.cpu(), want_e)
+
+
+def test_token_quantiser_reports_counts_that_do_not_fit_the_rows(gemm):
+    from megatron_mok.kernel import MokKernelError, check_pending_errors
+
+    rows = torch.randn(300, 128, device="cuda").bfloat16()
+    _, s = gemm.quantize_tokens(rows, torch.tensor([200, 101], dtype=torch.int32, device="cuda"))
+    with pytest.raises(MokKernelError, match="local expert 1's rows end at row 301, but the rows hold 300"):
+        check_pending_errors(wait=True)
+    assert torch.isnan(s).all(), "scales of counts that do not fit must poison a wgrad that uses them"
+    gemm.quantize_tokens(rows, torch.tensor([-1, 3], dtype=torch.int32, device="cuda"))
+    with pytest.raises(MokKernelError, match=r"local expert 0 has a negative token count \(-1\)"):
+        check_pending_errors(wait=True)
+    with pytest.raises(ValueError, match="300 rows cannot hold expert segments of"):
+        gemm.quantize_tokens(rows, [200, 101])
+    # no rows at all (a null data pointer): nothing to quantise, and no error
+    q, s = gemm.quantize_tokens(
+        torch.empty(0, 128, dtype=torch.bfloat16, device="cuda"), torch.zeros(2, dtype=torch.int32, device="cuda")
+    )
+    check_pending_errors(wait=True)
+    assert q.shape == (128, gemm.token_major_capacity(0, 2)) and s.shape == (q.shape[1] // 128, 128)

@@ -144,7 +144,8 @@ void fp8_wgrad_gemm(const at::Tensor& a, const at::Tensor& sa, const at::Tensor&
 
 // Layout-order bf16 rows [rows, F] of L experts (counts: device int32 [L]) -> the FP8 wgrad unit's operand: e4m3
 // [F, kcap] token-contiguous with each expert padded to 128 tokens, fp32 scales [kcap / 128, F]
-std::tuple<at::Tensor, at::Tensor> fp8_quantize_tokens(const at::Tensor& rows, const at::Tensor& counts, int64_t kcap) {
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_tokens(const at::Tensor& rows, const at::Tensor& counts, int64_t kcap,
+                                                       const at::Tensor& err) {
   constexpr const char* kOp = "mok.fp8_quantize_tokens";
   TORCH_CHECK_VALUE(rows.defined() && rows.is_cuda(), kOp, ": rows must be a CUDA tensor");
   check_tensor(kOp, "rows", rows, at::kBFloat16, 2, rows.device());
@@ -155,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_tokens(const at::Tensor& rows, c
   const int64_t F = rows.size(1);
   TORCH_CHECK_VALUE(F % 128 == 0 && F > 0, kOp, ": rows ", describe(rows), " need a positive multiple of 128 columns");
   TORCH_CHECK_VALUE(kcap >= 0 && kcap % 128 == 0, kOp, ": kcap=", kcap, " must be a multiple of 128");
+  check_shape(kOp, "err", err, at::kInt, {16}, rows.device());
   const c10::cuda::CUDAGuard guard(rows.device());
   load_kernels_once(rows.device().index());
   at::Tensor q = at::empty({F, kcap}, rows.options().dtype(at::kFloat8_e4m3fn));
@@ -162,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_quantize_tokens(const at::Tensor& rows, c
   char eb[kErrLen] = {0};
   check_launch(mok_host::fp8_quantize_tokens(rows.data_ptr(), rows.stride(0), rows.size(0), (int)F,
                                              (int)counts.size(0), counts.data_ptr<int>(), q.data_ptr(),
-                                             sc.data_ptr<float>(), kcap, rows.device().index(),
+                                             sc.data_ptr<float>(), kcap, err.data_ptr<int>(), rows.device().index(),
                                              c10::cuda::getCurrentCUDAStream(rows.device().index()).stream(), eb,
                                              kErrLen),
                kOp, eb);

@@ -233,13 +233,11 @@ __device__ void wgrad_consumer(const WgradParams& P, const WSmem& sm, int wgc) {
       for (int j = 0; j < 32; ++j) {
         const int c = ti.n * kBN + 8 * j + 2 * (lane & 3);
         if (c >= Ntot) continue;  // Ntot is a multiple of 64: pairs never straddle the edge
-        float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        if (P.accumulate) {
-          const float2 old = *reinterpret_cast<const float2*>(row + c);
-          v.x += old.x;
-          v.y += old.y;
-        }
-        *reinterpret_cast<float2*>(row + c) = v;
+        const float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        if (P.accumulate)
+          red_add_f32x2(row + c, v);
+        else
+          *reinterpret_cast<float2*>(row + c) = v;
       }
     }
   }

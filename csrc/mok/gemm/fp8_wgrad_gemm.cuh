@@ -127,14 +127,11 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, const int* pb, uint8_
       float* row = out + (long long)(w.mt * kF8BM + r0 + 8 * h) * P.N + w.nt * kF8BN + c0;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        float2* p = reinterpret_cast<float2*>(row + 8 * j);
-        if (P.accumulate) {
-          const float2 o = *p;
-          v.x += o.x;
-          v.y += o.y;
-        }
-        *p = v;
+        const float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        if (P.accumulate)
+          red_add_f32x2(row + 8 * j, v);
+        else
+          *reinterpret_cast<float2*>(row + 8 * j) = v;
       }
     }
   }
@@ -143,7 +140,6 @@ __device__ void fp8_wgrad_consumer(const F8WgradParams& P, const int* pb, uint8_
 __global__ void __launch_bounds__(kThreads, 1) mok_fp8_wgrad_kernel(const __grid_constant__ F8WgradParams P) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int pb[MOK_MAX_LOCAL_EXPERTS + 1];  // each expert's first 128-token block
-  __shared__ int fits;
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kW8Stages * kW8StageBytes);
   uint64_t* empty = full + kW8Stages;
@@ -155,17 +151,8 @@ __global__ void __launch_bounds__(kThreads, 1) mok_fp8_wgrad_kernel(const __grid
     cutlass::arch::fence_barrier_init();
   }
   expert_prefixes<kThreads>(P.counts, P.L, nullptr, pb);  // ends with __syncthreads
-  if (threadIdx.x == 0) {
-    // the experts' blocks must lie within the operands (a TMA box past them reads zeros: a silently wrong gradient)
-    fits = 128LL * pb[P.L] <= P.ktot;
-    if (!fits && blockIdx.x == 0) {
-      int e = 0;
-      while (128LL * pb[e + 1] <= P.ktot) ++e;
-      record_error(P.base, kErrBadShape, 0, e, kPhaseWgrad, P.ktot, 128LL * pb[e + 1], 0);
-    }
-  }
-  __syncthreads();
-  if (!fits) return;
+  // the experts' blocks must lie within the operands (a TMA box past them reads zeros: a silently wrong gradient)
+  if (!check_token_counts<kThreads>(P.base, P.counts, P.L, nullptr, pb, P.ktot)) return;
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
     setmaxnreg_dec<40>();

@@ -131,6 +131,19 @@ __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bu
 // generic-proxy smem writes of this thread -> visible to the async proxy (a following TMA store)
 __device__ __forceinline__ void fence_view_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// p[0..1] += v as one reduction performed by the L2 (red.global.add.v2.f32): unlike a read-add-write, the thread
+// does not wait for the old values, so an epilogue adding a gradient tile into fp32 buffers (Megatron's main_grad)
+// issues like one of stores. Each element gets one add, rounded to nearest as FADD rounds (subnormal inputs and sums
+// flush to zero).
+__device__ __forceinline__ void red_add_f32x2(float* p, float2 v) {
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1)
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v.x), "f"(v.y) : "memory");
+#else  // vector reductions need PTX ISA 8.1 (CUDA 12.1): two scalar ones, the same sums
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v.x) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(v.y) : "memory");
+#endif
+}
+
 // Stage st of a consumer's stage ring is free for its producer again (Smem: the kernel's carve of its shared
 // memory, with the ring's `empty` barriers).
 template <class Smem>

@@ -220,9 +220,10 @@ int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf
 // Token columns of the FP8 wgrad operands of nrows layout-order rows of L experts, each padded to 128 tokens.
 inline long long token_major_capacity(long long nrows, int L) { return (nrows + 127LL * L + 127) / 128 * 128; }
 // bf16 layout-order rows [nrows, F] (row stride ld; counts: device int32 [L] rows per expert) -> e4m3 q [F, kcap]
-// and fp32 scales s [kcap / 128, F], one per 128 tokens of a column, experts padded to 128 tokens
+// and fp32 scales s [kcap / 128, F], one per 128 tokens of a column, experts padded to 128 tokens; counts that do not
+// fit the rows are reported in the error record err (int32[16])
 int fp8_quantize_tokens(const void* rows, long long ld, long long nrows, int F, int L, const int* counts, void* q,
-                        float* s, long long kcap, int device, cudaStream_t stream, char* errbuf, int errlen);
+                        float* s, long long kcap, int* err, int device, cudaStream_t stream, char* errbuf, int errlen);
 // bf16 [N, K] (row stride ld) -> e4m3 q [N, K] and fp32 128 x 128 block scales s [N/128, K/128]
 int fp8_quantize_weight(const void* w, long long ld, int N, int K, void* q, float* s, int device, cudaStream_t stream,
                         char* errbuf, int errlen);

@@ -241,7 +241,7 @@ int fp8_wgrad_launch(const MokFp8WgradArgs* a, cudaStream_t stream, char* errbuf
 namespace mok_host {
 
 int fp8_quantize_tokens(const void* rows, long long ld, long long nrows, int F, int L, const int* counts, void* q,
-                        float* s, long long kcap, int device, cudaStream_t stream, char* errbuf, int errlen) {
+                        float* s, long long kcap, int* err, int device, cudaStream_t stream, char* errbuf, int errlen) {
   const unsigned long long r = reinterpret_cast<uintptr_t>(rows), qa = reinterpret_cast<uintptr_t>(q);
   if (F < 128 || F % 128) return write_err(errbuf, errlen, "fp8 token rows: %d columns, not a positive multiple of 128", F);
   if (L < 1 || L > MOK_MAX_LOCAL_EXPERTS) return write_err(errbuf, errlen, "fp8 token rows: L=%d out of range", L);
@@ -252,11 +252,12 @@ int fp8_quantize_tokens(const void* rows, long long ld, long long nrows, int F, 
   if (kcap < need || kcap % 128 || kcap / 128 >= (1LL << 31))
     return write_err(errbuf, errlen, "fp8 token rows: %lld token columns, %lld rows of %d experts need %lld", kcap,
                      nrows, L, need);
-  if (nrows == 0) return 0;
-  if (!r || !qa || !s || !counts || r % 16 || qa % 16)
-    return write_err(errbuf, errlen, "fp8 token rows: null or not 16-byte aligned rows / output pointer");
+  // no rows: the rows pointer may be null (the kernel still checks that every count is 0, and reads no row)
+  if ((nrows > 0 && (!r || r % 16)) || !qa || !s || !counts || !err || qa % 16)
+    return write_err(errbuf, errlen, "fp8 token rows: null or not 16-byte aligned rows / output / count pointer");
   MOK_CUDA_CHECK(cudaSetDevice(device));
-  mok::TokenQuantParams P{reinterpret_cast<const __nv_bfloat16*>(rows), ld, nrows, F, L, counts,
+  mok::TokenQuantParams P{unit_base_params(L, 0.0, reinterpret_cast<uintptr_t>(err)),
+                          reinterpret_cast<const __nv_bfloat16*>(rows), ld, nrows, F, L, counts,
                           reinterpret_cast<uint8_t*>(q), s, kcap};
   mok::mok_fp8_quantize_tokens_kernel<<<dim3((unsigned)(kcap / 128), (unsigned)(F / 128)), mok::kTqThreads, 0,
                                         stream>>>(P);

@@ -21,6 +21,7 @@ namespace mok {
 constexpr int kTqThreads = 256;
 
 struct TokenQuantParams {
+  Params base;                // the error record (check_token_counts)
   const __nv_bfloat16* rows;  // [nrows, F], row stride ld (elements, a multiple of 8)
   long long ld, nrows;
   int F, L;                   // F a multiple of 128
@@ -30,7 +31,7 @@ struct TokenQuantParams {
   long long kcap;             // token columns (a multiple of 128)
 };
 
-__global__ void __launch_bounds__(kTqThreads) mok_fp8_quantize_tokens_kernel(const TokenQuantParams P) {
+__global__ void __launch_bounds__(kTqThreads) mok_fp8_quantize_tokens_kernel(const __grid_constant__ TokenQuantParams P) {
   __shared__ long long pr[MOK_MAX_LOCAL_EXPERTS + 1];
   __shared__ int pb[MOK_MAX_LOCAL_EXPERTS + 1];
   __shared__ float red[16][128];                     // per token group: the columns' partial amax
@@ -39,13 +40,19 @@ __global__ void __launch_bounds__(kTqThreads) mok_fp8_quantize_tokens_kernel(con
   __shared__ int s_e;
   const int blk = blockIdx.x, col0 = blockIdx.y * 128, t = threadIdx.x;
   expert_prefixes<kTqThreads>(P.counts, P.L, pr, pb);
+  if (!check_token_counts<kTqThreads>(P.base, P.counts, P.L, pr, pb, P.nrows)) {
+    // counts past the rows (reported in the error record, read lazily): NaN scales, so a wgrad that runs on these
+    // operands before the error is read makes NaN gradients, which stop a training step, not plausible ones
+    if (t < 128) P.s[(long long)blk * P.F + col0 + t] = __int_as_float(0x7fc00000);
+    return;
+  }
   if (blk >= pb[P.L]) return;  // past every expert's blocks: columns no expert owns stay as they are
   if (2 * t < P.L && pb[2 * t] <= blk && blk < pb[2 * t + 1]) s_e = 2 * t;
   if (2 * t + 1 < P.L && pb[2 * t + 1] <= blk && blk < pb[2 * t + 2]) s_e = 2 * t + 1;
   __syncthreads();
   const int e = s_e;
   const long long row0 = pr[e] + 128LL * (blk - pb[e]);
-  const long long valid = min(min(128LL, pr[e + 1] - row0), P.nrows - row0);  // rows past the buffer: zeros
+  const long long valid = min(128LL, pr[e + 1] - row0);
   const int g = t & 15, tq = t >> 4;  // columns col0 + 8 g .. + 8, tokens 8 tq .. + 8 of the block
   float v[8][8];                       // [token][column]
 #pragma unroll
