@@ -112,7 +112,8 @@ def quantize_tokens(rows: torch.Tensor, counts: torch.Tensor | list[int]) -> tup
 
 
 def _check_lazily(err: torch.Tensor, experts: int, timeout_ms: float, op: str, kernel: str) -> None:
-    """A unit's error record (an internal pipeline stall) read lazily, like the megakernels'."""
+    """A unit's error record (an internal pipeline stall, or token counts that do not fit) read lazily, like the
+    megakernels'."""
     message = lambda e: errors.format_error(e, 1, experts, timeout_ms, kernel=kernel, phases=errors.UNIT_PHASES)  # noqa: E731
     check = errors.capture_check("lazy", op)  # no event query while a CUDA graph captures
     errors.after_launch(err, None, check, message)  # launched on the current stream
